@@ -1,0 +1,1 @@
+"""Benchmarks: print tables of medians and ratios; never part of the test run."""

@@ -1,0 +1,1 @@
+"""Training state: DCP checkpoints, their manifests and retention (ARCHITECTURE.md, "State")."""

@@ -1,0 +1,1 @@
+"""Job configuration, layouts and the planner (pure), and the techniques that apply a layout."""

@@ -1,0 +1,302 @@
+"""The job: a TOML file parsed into frozen dataclasses, validated field by field.
+
+Pure (no torch, no I/O beyond reading the file) so the agent can validate a submitted job spec
+without importing torch. Every error names the offending field, e.g.
+`train.global_batch must be >= 1 (got 0)`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+import types
+import typing
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, Union
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+
+class ConfigError(ValueError):
+    """A job spec problem, always naming the field (`section.key`)."""
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """A Llama, with Hugging Face `LlamaConfig` field names."""
+
+    hidden_size: int = 128
+    intermediate_size: int = 384
+    num_hidden_layers: int = 8
+    num_attention_heads: int = 8
+    num_key_value_heads: int = 4
+    vocab_size: int = 256
+    max_position_embeddings: int = 2048
+    rope_theta: float = 10000.0
+    rms_norm_eps: float = 1e-5
+    tie_word_embeddings: bool = False
+    initializer_range: float = 0.02
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_attention_heads
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    """Exactly one of `path` (a prepared token file) or `source` (a built-in corpus)."""
+
+    path: str = ""
+    source: str = ""
+    cache_dir: str = "~/.cache/ultrascale"
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    steps: int = 100
+    global_batch: int = 16
+    seq_len: int = 128
+    seed: int = 1234
+    lr: float = 3e-3
+    min_lr: float = 3e-4
+    warmup_steps: int = 10
+    lr_schedule: Literal["cosine", "constant"] = "cosine"
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    grad_clip: float = 1.0
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    dp: Union[int, Literal["auto"]] = "auto"  # noqa: UP007 - read by the typed parser below
+    tp: int = 1
+    pp: int = 1
+    cp: int = 1
+    zero: Literal[1, 2, 3] = 3
+    sequence_parallel: bool = False
+    pp_schedule: Literal["gpipe", "1f1b", "interleaved_1f1b", "zero_bubble"] = "1f1b"
+    virtual_stages: int = 1
+    recompute: Literal["none", "selective", "full"] = "none"
+    micro_batch: int = 1
+    mixed_precision: Literal["fp32", "bf16"] = "fp32"
+    # Uneven global batches: pad each step with zero-weight samples up to dp x micro_batch x
+    # grad_accum, so every rank runs the same micro-batches and collectives.
+    pad_uneven: bool = True
+
+
+@dataclass(frozen=True)
+class CheckpointConfig:
+    dir: str = ""
+    every: int = 0
+    keep: int = 2
+
+
+@dataclass(frozen=True)
+class JobMeta:
+    name: str = "job"
+    output_dir: str = ""
+
+
+@dataclass(frozen=True)
+class JobConfig:
+    job: JobMeta = field(default_factory=JobMeta)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+_SECTIONS: dict[str, type] = {f.name: f.default_factory for f in dataclasses.fields(JobConfig)}  # type: ignore[misc]
+
+
+def _type_name(tp: Any) -> str:
+    origin = typing.get_origin(tp)
+    if origin is Literal:
+        return " | ".join(repr(a) for a in typing.get_args(tp))
+    if origin in (Union, types.UnionType):
+        return " or ".join(_type_name(a) for a in typing.get_args(tp))
+    return getattr(tp, "__name__", str(tp))
+
+
+def _coerce(name: str, tp: Any, value: Any) -> Any:
+    """Check `value` against the annotation `tp`; ints are accepted where floats are expected."""
+    origin = typing.get_origin(tp)
+    if origin is Literal:
+        if value in typing.get_args(tp) and type(value) in {type(a) for a in typing.get_args(tp)}:
+            return value
+        raise ConfigError(f"{name} must be one of {_type_name(tp)} (got {value!r})")
+    if origin in (Union, types.UnionType):
+        for option in typing.get_args(tp):
+            try:
+                return _coerce(name, option, value)
+            except ConfigError:
+                continue
+        raise ConfigError(f"{name} must be {_type_name(tp)} (got {value!r})")
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+    elif tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    elif tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+    elif tp is str and isinstance(value, str):
+        return value
+    raise ConfigError(f"{name} must be {_type_name(tp)} (got {type(value).__name__} {value!r})")
+
+
+def _build_section(section: str, cls: type, values: Mapping[str, Any]) -> Any:
+    if not isinstance(values, Mapping):
+        raise ConfigError(f"{section} must be a table (got {type(values).__name__})")
+    hints = typing.get_type_hints(cls)
+    known = {f.name for f in dataclasses.fields(cls)}
+    for key in values:
+        if key not in known:
+            raise ConfigError(f"unknown key {section}.{key} (known: {', '.join(sorted(known))})")
+    kwargs = {k: _coerce(f"{section}.{k}", hints[k], v) for k, v in values.items()}
+    return cls(**kwargs)
+
+
+def _positive(name: str, value: int | float) -> None:
+    if value < 1:
+        raise ConfigError(f"{name} must be >= 1 (got {value})")
+
+
+def validate(cfg: JobConfig) -> None:
+    """Checks that need more than one field. Layout-vs-world checks live in parallel.layout."""
+    m, t, p, d, c = cfg.model, cfg.train, cfg.parallel, cfg.data, cfg.checkpoint
+    for key in (
+        "hidden_size",
+        "intermediate_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "vocab_size",
+        "max_position_embeddings",
+    ):
+        _positive(f"model.{key}", getattr(m, key))
+    if m.hidden_size % m.num_attention_heads:
+        raise ConfigError(
+            f"model.num_attention_heads must divide model.hidden_size "
+            f"(got {m.num_attention_heads}, {m.hidden_size})"
+        )
+    if m.num_attention_heads % m.num_key_value_heads:
+        raise ConfigError(
+            f"model.num_key_value_heads must divide model.num_attention_heads "
+            f"(got {m.num_key_value_heads}, {m.num_attention_heads})"
+        )
+    if m.head_dim % 2:
+        raise ConfigError(
+            f"model.hidden_size / num_attention_heads must be even for RoPE (got {m.head_dim})"
+        )
+    if m.rms_norm_eps <= 0 or m.rope_theta <= 0 or m.initializer_range <= 0:
+        raise ConfigError(
+            "model.rms_norm_eps, model.rope_theta and model.initializer_range must be > 0"
+        )
+    for key in ("steps", "global_batch", "seq_len"):
+        _positive(f"train.{key}", getattr(t, key))
+    if t.seq_len > m.max_position_embeddings:
+        raise ConfigError(
+            f"train.seq_len must be <= model.max_position_embeddings (got {t.seq_len}, {m.max_position_embeddings})"
+        )
+    if t.lr <= 0 or t.min_lr < 0 or t.min_lr > t.lr:
+        raise ConfigError(
+            f"train.lr must be > 0 and train.min_lr in [0, lr] (got {t.lr}, {t.min_lr})"
+        )
+    if t.warmup_steps < 0 or t.weight_decay < 0 or t.grad_clip < 0 or t.eps <= 0:
+        raise ConfigError(
+            "train.warmup_steps, weight_decay and grad_clip must be >= 0, train.eps > 0"
+        )
+    for key in ("beta1", "beta2"):
+        if not 0 <= getattr(t, key) < 1:
+            raise ConfigError(f"train.{key} must be in [0, 1) (got {getattr(t, key)})")
+    if p.dp != "auto":
+        _positive("parallel.dp", p.dp)
+    for key in ("tp", "pp", "cp", "virtual_stages", "micro_batch"):
+        _positive(f"parallel.{key}", getattr(p, key))
+    if p.micro_batch > t.global_batch:
+        raise ConfigError(
+            f"parallel.micro_batch must be <= train.global_batch (got {p.micro_batch}, {t.global_batch})"
+        )
+    if p.dp != "auto" and not p.pad_uneven and t.global_batch % (p.dp * p.micro_batch):
+        raise ConfigError(
+            f"train.global_batch must be a multiple of parallel.dp x parallel.micro_batch when "
+            f"parallel.pad_uneven is false (got {t.global_batch}, {p.dp} x {p.micro_batch})"
+        )
+    if bool(d.path) == bool(d.source):
+        raise ConfigError(
+            "data: set exactly one of data.path (a token file) or data.source (a built-in corpus)"
+        )
+    if c.every < 0:
+        raise ConfigError(f"checkpoint.every must be >= 0 (got {c.every})")
+    _positive("checkpoint.keep", c.keep)
+    if c.every and not c.dir:
+        raise ConfigError("checkpoint.dir must be set when checkpoint.every > 0")
+
+
+def from_dict(raw: Mapping[str, Any]) -> JobConfig:
+    for section in raw:
+        if section not in _SECTIONS:
+            raise ConfigError(f"unknown section [{section}] (known: {', '.join(_SECTIONS)})")
+    cfg = JobConfig(**{s: _build_section(s, _SECTIONS[s], raw.get(s, {})) for s in _SECTIONS})
+    validate(cfg)
+    return cfg
+
+
+def parse_override(item: str) -> tuple[list[str], Any]:
+    """`section.key=value`; the value is read as a TOML value, falling back to a bare string."""
+    if "=" not in item:
+        raise ConfigError(f"--set expects key.path=value (got {item!r})")
+    key, text = item.split("=", 1)
+    path = key.strip().split(".")
+    if len(path) != 2 or not all(path):
+        raise ConfigError(f"--set key must look like section.key (got {key!r})")
+    try:
+        value = tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        value = text
+    return path, value
+
+
+def apply_overrides(raw: Mapping[str, Any], overrides: Sequence[str]) -> dict[str, Any]:
+    merged: dict[str, Any] = {k: dict(v) if isinstance(v, Mapping) else v for k, v in raw.items()}
+    for item in overrides:
+        (section, key), value = parse_override(item)
+        if section not in _SECTIONS:
+            raise ConfigError(f"unknown key {section}.{key} in --set (no section [{section}])")
+        known = {f.name for f in dataclasses.fields(_SECTIONS[section])}
+        if key not in known:
+            raise ConfigError(
+                f"unknown key {section}.{key} in --set (known: {', '.join(sorted(known))})"
+            )
+        merged.setdefault(section, {})[key] = value
+    return merged
+
+
+def loads(text: str, overrides: Sequence[str] = (), source: str = "<string>") -> JobConfig:
+    try:
+        raw = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{source}: not valid TOML: {exc}") from None
+    return from_dict(apply_overrides(raw, overrides))
+
+
+def load(path: str | Path, overrides: Sequence[str] = ()) -> JobConfig:
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise ConfigError(f"cannot read job file {path}: {exc.strerror}") from None
+    return loads(text, overrides, source=str(path))

@@ -1,0 +1,143 @@
+"""The layout of one generation: how a job is spread over a world of devices.
+
+Pure: the agent resolves layouts without torch. `Layout` is what a generation plan carries
+(ARCHITECTURE.md, "A generation plan"); `resolve` fills `dp` and `grad_accum` for a world size.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from parallel.job import ConfigError, JobConfig
+
+PP_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble")
+RECOMPUTE = ("none", "selective", "full")
+
+@dataclass(frozen=True)
+class Layout:
+    dp: int = 1
+    tp: int = 1
+    pp: int = 1
+    cp: int = 1
+    zero: int = 3
+    sequence_parallel: bool = False
+    pp_schedule: str = "1f1b"
+    virtual_stages: int = 1
+    recompute: str = "none"
+    micro_batch: int = 1
+    grad_accum: int = 1
+    mixed_precision: str = "fp32"
+
+    def __post_init__(self) -> None:
+        for name in ("dp", "tp", "pp", "cp", "virtual_stages", "micro_batch", "grad_accum"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"layout.{name} must be >= 1 (got {getattr(self, name)})")
+        if self.zero not in (1, 2, 3):
+            raise ConfigError(f"layout.zero must be 1, 2 or 3 (got {self.zero})")
+        if self.pp_schedule not in PP_SCHEDULES:
+            raise ConfigError(
+                f"layout.pp_schedule must be one of {PP_SCHEDULES} (got {self.pp_schedule!r})"
+            )
+        if self.recompute not in RECOMPUTE:
+            raise ConfigError(
+                f"layout.recompute must be one of {RECOMPUTE} (got {self.recompute!r})"
+            )
+        if self.mixed_precision not in ("fp32", "bf16"):
+            raise ConfigError(
+                f"layout.mixed_precision must be fp32 or bf16 (got {self.mixed_precision!r})"
+            )
+
+    @property
+    def world_size(self) -> int:
+        return self.dp * self.tp * self.pp * self.cp
+
+    @property
+    def samples_per_step(self) -> int:
+        """Sample slots per step, including zero-weight padding slots."""
+        return self.dp * self.micro_batch * self.grad_accum
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any]) -> Layout:
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = set(raw) - known
+        if unknown:
+            raise ConfigError(f"unknown layout field(s): {', '.join(sorted(unknown))}")
+        return cls(**raw)
+
+
+def resolve(job: JobConfig, world_size: int) -> Layout:
+    """The layout of `job` on `world_size` devices, checked against the model and batch."""
+    p, m, t = job.parallel, job.model, job.train
+    inner = p.tp * p.pp * p.cp
+    if world_size % inner:
+        raise ConfigError(
+            f"parallel.tp x pp x cp = {inner} must divide the number of devices ({world_size})"
+        )
+    dp = world_size // inner if p.dp == "auto" else p.dp
+    if dp * inner != world_size:
+        raise ConfigError(
+            f"parallel.dp x tp x pp x cp must equal the number of devices "
+            f"(got {dp} x {p.tp} x {p.pp} x {p.cp} = {dp * inner}, devices {world_size})"
+        )
+    if p.pad_uneven:
+        if dp > t.global_batch:
+            raise ConfigError(
+                f"parallel.dp must be <= train.global_batch, or some ranks would see no sample "
+                f"(got {dp}, {t.global_batch})"
+            )
+    elif t.global_batch % (dp * p.micro_batch):
+        raise ConfigError(
+            f"train.global_batch must be a multiple of parallel.dp x parallel.micro_batch when "
+            f"parallel.pad_uneven is false (got {t.global_batch}, {dp} x {p.micro_batch})"
+        )
+    if m.num_attention_heads % p.tp or m.num_key_value_heads % p.tp:
+        raise ConfigError(
+            f"parallel.tp must divide model.num_attention_heads and model.num_key_value_heads "
+            f"(got {p.tp}, {m.num_attention_heads}, {m.num_key_value_heads})"
+        )
+    if m.num_hidden_layers % (p.pp * p.virtual_stages):
+        raise ConfigError(
+            f"parallel.pp x parallel.virtual_stages must divide model.num_hidden_layers "
+            f"(got {p.pp} x {p.virtual_stages}, {m.num_hidden_layers})"
+        )
+    if t.seq_len % (2 * p.cp) and p.cp > 1:
+        raise ConfigError(
+            f"train.seq_len must be a multiple of 2 x parallel.cp for zig-zag context parallelism "
+            f"(got {t.seq_len}, cp {p.cp})"
+        )
+    grad_accum = math.ceil(t.global_batch / (dp * p.micro_batch))
+    layout = Layout(
+        dp=dp,
+        tp=p.tp,
+        pp=p.pp,
+        cp=p.cp,
+        zero=p.zero,
+        sequence_parallel=p.sequence_parallel,
+        pp_schedule=p.pp_schedule,
+        virtual_stages=p.virtual_stages,
+        recompute=p.recompute,
+        micro_batch=p.micro_batch,
+        grad_accum=grad_accum,
+        mixed_precision=p.mixed_precision,
+    )
+    check_supported(layout)
+    return layout
+
+
+def check_supported(layout: Layout) -> None:
+    """Reject what the workers cannot apply yet, so a plan never names an impossible layout."""
+    for dim in ("tp", "pp", "cp"):
+        if getattr(layout, dim) > 1:
+            raise ConfigError(f"parallel.{dim} > 1 is not yet supported (got {getattr(layout, dim)})")
+    if layout.recompute != "none":
+        raise ConfigError(f"parallel.recompute = {layout.recompute!r} is not yet supported")
+    if layout.zero == 1:
+        raise ConfigError("parallel.zero = 1 is not yet supported (use 2 or 3)")
+    if layout.mixed_precision != "fp32":
+        raise ConfigError(f"parallel.mixed_precision = {layout.mixed_precision!r} is not yet supported")

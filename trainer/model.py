@@ -1,0 +1,153 @@
+"""A plain single-device Llama (GQA, SwiGLU, RMSNorm, RoPE, optional tied embeddings).
+
+Parallelism is applied afterwards by `parallel.parallelize`; nothing here knows about meshes.
+Module and parameter names follow Hugging Face's `LlamaForCausalLM` so weights map one to one.
+The layers live in a ModuleDict keyed by index so that a pipeline stage that drops some layers
+keeps the fully qualified names (and so the checkpoint keys) of the ones it keeps.
+"""
+
+from __future__ import annotations
+
+import zlib
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ops.attention import attention
+from ops.norm import RMSNorm
+from ops.rotary import apply_rotary, rotary_tables
+from parallel.job import ModelConfig
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.head_dim = cfg.head_dim
+        self.q_proj = nn.Linear(cfg.hidden_size, cfg.num_attention_heads * cfg.head_dim, bias=False)
+        self.k_proj = nn.Linear(cfg.hidden_size, cfg.num_key_value_heads * cfg.head_dim, bias=False)
+        self.v_proj = nn.Linear(cfg.hidden_size, cfg.num_key_value_heads * cfg.head_dim, bias=False)
+        self.o_proj = nn.Linear(cfg.num_attention_heads * cfg.head_dim, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x.shape
+        # -1 heads: under tensor parallelism each rank holds only its share of the heads.
+        q = self.q_proj(x).view(b, s, -1, self.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(b, s, -1, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(b, s, -1, self.head_dim).transpose(1, 2)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        out = attention(q, k, v, causal=True)
+        return self.o_proj(out.transpose(1, 2).reshape(b, s, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Llama(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.embed_tokens: nn.Embedding | None = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleDict(
+            {str(i): DecoderLayer(cfg) for i in range(cfg.num_hidden_layers)}
+        )
+        self.norm: RMSNorm | None = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head: nn.Linear | None = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+        # Rotary tables are derived, not state: non-persistent, rebuilt by init_weights.
+        self.register_buffer("rope_cos", torch.empty(0), persistent=False)
+        self.register_buffer("rope_sin", torch.empty(0), persistent=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        """tokens (batch, seq) -> logits (batch, seq, vocab).
+
+        A pipeline stage may lack the embedding (it then receives hidden states) or the final
+        norm and head (it then returns hidden states).
+        """
+        h = self.embed_tokens(tokens) if self.embed_tokens is not None else tokens
+        for layer in self.layers.values():
+            h = layer(h, self.rope_cos, self.rope_sin)
+        if self.norm is not None:
+            h = self.norm(h)
+        return self.lm_head(h) if self.lm_head is not None else h
+
+    @torch.no_grad()
+    def init_buffers(self, device: torch.device | str) -> None:
+        cos, sin = rotary_tables(
+            self.cfg.max_position_embeddings,
+            self.cfg.head_dim,
+            self.cfg.rope_theta,
+            torch.device(device),
+        )
+        self.rope_cos, self.rope_sin = cos, sin
+
+
+def _param_seed(seed: int, name: str) -> int:
+    # crc32 is stable across processes and Python versions (hash() is salted per process).
+    return (seed * 1_000_003 + zlib.crc32(name.encode())) % (2**63)
+
+
+@torch.no_grad()
+def init_weights(model: Llama, seed: int) -> None:
+    """Initialise every parameter from (seed, its name) alone, whatever the layout.
+
+    Each full tensor is drawn on CPU from a generator keyed by the parameter's fully qualified
+    name, then the rank's shard is copied out of it, so dp=1 and dp=4 (or any TP/PP split)
+    start from identical weights. Drawing full tensors costs one parameter's worth of host
+    memory at a time, which is fine up to models whose largest matrix fits in host RAM.
+    """
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    if (
+        model.cfg.tie_word_embeddings
+        and model.lm_head is not None
+        and model.embed_tokens is not None
+    ):
+        # Materialising (to_empty) allocates each parameter anew and loses the tie; restore it.
+        model.lm_head.weight = model.embed_tokens.weight
+    std = model.cfg.initializer_range
+    for name, param in model.named_parameters():
+        full_shape = param.shape
+        if name.endswith("layernorm.weight") or name == "norm.weight":
+            full = torch.ones(full_shape)
+        else:
+            gen = torch.Generator().manual_seed(_param_seed(seed, name))
+            full = torch.empty(full_shape).normal_(0.0, std, generator=gen)
+        if isinstance(param, DTensor):
+            # Every rank drew the same full tensor, so no broadcast is needed (src_data_rank=None).
+            shard = distribute_tensor(
+                full.to(param.dtype), param.device_mesh, param.placements, src_data_rank=None
+            )
+            param.to_local().copy_(shard.to_local())
+        else:
+            param.copy_(full.to(param.dtype))
+    device = next(model.parameters()).device
+    model.init_buffers(device if device.type != "meta" else "cpu")
+
+
+def build_model(cfg: ModelConfig) -> Llama:
+    """The model on the meta device: no memory until a layout materialises it."""
+    with torch.device("meta"):
+        return Llama(cfg)
