@@ -1,0 +1,87 @@
+"""A surviving worker re-forms the world in-process without leaking the old one.
+
+Two real processes run three generations each (new TCPStore port per generation, FSDP2 model,
+two steps, teardown); no socket survives a teardown and threads and fds after the third equal
+those after the first.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from parallel.job import load
+from parallel.layout import resolve
+from parallel.mesh import build_mesh
+from tests.conftest import small_job_text
+from trainer.loop import Trainer
+from trainer.teardown import leave_world
+
+pytestmark = pytest.mark.distributed
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _resources() -> tuple[int, int, int]:
+    import threading
+
+    targets = []
+    for fd in os.listdir("/proc/self/fd"):
+        # the fd that listed the directory is already closed when we read it
+        with contextlib.suppress(FileNotFoundError):
+            targets.append(os.readlink(f"/proc/self/fd/{fd}"))
+    return threading.active_count(), len(targets), sum(t.startswith("socket:") for t in targets)
+
+
+def _worker(rank: int, job: str, ports: list[int], out: str) -> None:
+    torch.set_num_threads(1)
+    cfg = load(job)
+    counts = [_resources()]
+    for port in ports:
+        store = dist.TCPStore(
+            "127.0.0.1", port, 2, is_master=rank == 0, timeout=timedelta(seconds=60)
+        )
+        dist.init_process_group(
+            "gloo", store=store, rank=rank, world_size=2, timeout=timedelta(seconds=60)
+        )
+        layout = resolve(cfg, 2)
+        trainer = Trainer(cfg, layout, build_mesh(layout, "cpu"), torch.device("cpu"))
+        for _ in range(2):
+            trainer.train_step()
+        del trainer, store
+        leave_world()
+        counts.append(_resources())
+    if rank == 0:
+        torch.save({"counts": counts}, out)
+
+
+def test_three_generations_leave_nothing_behind(token_file: Path, tmp_path: Path):
+    job = tmp_path / "job.toml"
+    job.write_text(small_job_text(token_file))
+    out = tmp_path / "out.pt"
+    mp.start_processes(
+        _worker,
+        args=(str(job), [_free_port() for _ in range(3)], str(out)),
+        nprocs=2,
+        start_method="spawn",
+    )
+    result = torch.load(out, weights_only=False)
+    baseline, first, *_, last = result["counts"]
+    # (threads, fds, sockets): no socket of any generation survives its teardown, and nothing
+    # accumulates from one generation to the next.
+    assert all(sockets == 0 for _, _, sockets in result["counts"]), result["counts"]
+    assert last == first, (
+        f"after generation 1 {first}, after generation 3 {last} (before: {baseline})"
+    )

@@ -1,0 +1,80 @@
+"""Leaving a generation's world inside a surviving worker process.
+
+After `destroy_process_group` and dropping the model, optimizer and mesh, the old DeviceMesh
+(and with it gloo threads and sockets) stays reachable through process-wide caches in
+torch.distributed: DTensor's sharding-propagation caches (Python and the C++ fast path), the
+`functools` caches of redistribute planning and mesh topology, and others. Measured on this
+machine (shared/notes/inprocess-reformation.md): clearing only some of them does not free the
+mesh; clearing every cache under torch.distributed does. This depends on torch internals, so it
+lives in this one function and a test checks threads, fds and sockets return to baseline.
+"""
+
+from __future__ import annotations
+
+import gc
+import sys
+import warnings
+
+import torch
+import torch.distributed as dist
+
+
+def _clear_functools_caches() -> int:
+    cleared = 0
+    with warnings.catch_warnings():  # touching deprecated module attributes warns
+        warnings.simplefilter("ignore")
+        cleared += _clear_module_caches()
+    return cleared
+
+
+def _clear_module_caches() -> int:
+    cleared = 0
+    for name, module in list(sys.modules.items()):
+        if module is None or not name.startswith("torch.distributed"):
+            continue
+        for obj in list(vars(module).values()):
+            targets = [obj]
+            if isinstance(obj, type):
+                targets = [getattr(v, "__func__", v) for v in vars(obj).values()]
+            for target in targets:
+                clear = getattr(target, "cache_clear", None)
+                if callable(clear):
+                    try:
+                        clear()
+                        cleared += 1
+                    except TypeError:  # a class with a cache_clear method, not a cache
+                        pass
+    return cleared
+
+
+def _clear_dtensor_caches() -> None:
+    clear_cpp = getattr(torch._C, "_clear_DTensor_sharding_propagator_cache", None)
+    if clear_cpp is not None:
+        clear_cpp()
+    try:
+        from torch.distributed.tensor import DTensor, _redistribute
+    except ImportError:
+        return
+    # A plain dict keyed by (weakref(mesh), meta) whose planners hold the mesh strongly.
+    planners = getattr(_redistribute, "_planner_cache", None)
+    if isinstance(planners, dict):
+        planners.clear()
+    propagator = DTensor._op_dispatcher.sharding_propagator
+    for attr in vars(propagator).values():
+        clear = getattr(attr, "cache_clear", None) or getattr(attr, "clear", None)
+        if callable(clear) and not isinstance(attr, dict):
+            clear()
+
+
+def leave_world() -> None:
+    """Tear down the default process group and everything that pins it. Idempotent.
+
+    Callers must drop their own references (model, optimizer, mesh, pending futures; keep only
+    the error string of a failed collective, never the exception) before calling this.
+    """
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    gc.collect()
+    _clear_functools_caches()
+    _clear_dtensor_caches()
+    gc.collect()
