@@ -39,6 +39,9 @@ lint: $(VENV)/.installed
 demo: $(VENV)/.installed
 	$(PY) -m examples.demo
 
+proto: $(VENV)/.installed
+	$(PY) -m proto.generate
+
 bench: $(VENV)/.installed
 	$(PY) -m bench.checkpoint
 

@@ -1,0 +1,113 @@
+"""Admin authentication (bearer token) and the listen-address policy.
+
+The token is given (--token-file) or generated into the state dir, 0600, on first start; every
+Agent RPC must carry `authorization: Bearer <token>`. Health and reflection stay open so probes
+and grpcurl work without a secret. Listening beyond loopback without TLS is refused unless the
+operator says --insecure, because the token would cross the network in clear text.
+"""
+
+from __future__ import annotations
+
+import hmac
+import ipaddress
+import os
+import secrets
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import grpc
+
+TOKEN_FILE = "token"
+_OPEN_SERVICES = ("/grpc.health.v1.Health/", "/grpc.reflection.")
+
+
+class AuthError(ValueError):
+    pass
+
+
+def load_or_create_token(token_file: Path | None, state_dir: Path) -> tuple[str, Path]:
+    """The admin token and the file it lives in."""
+    if token_file is not None:
+        try:
+            token = token_file.read_text().strip()
+        except OSError as exc:
+            raise AuthError(f"--token-file {token_file}: {exc.strerror}") from None
+        if not token:
+            raise AuthError(f"--token-file {token_file} is empty")
+        return token, token_file
+    path = state_dir / TOKEN_FILE
+    if path.exists():
+        return path.read_text().strip(), path
+    state_dir.mkdir(parents=True, exist_ok=True)
+    token = secrets.token_urlsafe(32)
+    # O_EXCL + 0600 at creation: the secret is never readable by others, not even briefly.
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(token + "\n")
+    return token, path
+
+
+def split_host_port(address: str) -> tuple[str, int]:
+    host, sep, port = address.rpartition(":")
+    if not sep or not port.isdigit():
+        raise ValueError(f"expected host:port (got {address!r})")
+    return host.strip("[]"), int(port)
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def check_listen(address: str, *, tls: bool, insecure: bool, flag: str = "--listen") -> None:
+    if address.startswith("unix:"):
+        return
+    host, _ = split_host_port(address)
+    if not is_loopback(host) and not tls and not insecure:
+        raise AuthError(
+            f"{flag} {address} is not a loopback address and no TLS certificate is configured; "
+            "configure --tls-cert/--tls-key or pass --insecure to accept clear-text traffic"
+        )
+
+
+class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
+    def __init__(self, token: str) -> None:
+        self._expected = f"Bearer {token}".encode()
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler:
+        if details.method.startswith(_OPEN_SERVICES):
+            return await continuation(details)
+        given = dict(details.invocation_metadata or ()).get("authorization", "")
+        given_b = given.encode() if isinstance(given, str) else bytes(given)
+        if hmac.compare_digest(given_b, self._expected):
+            return await continuation(details)
+        return _deny(await continuation(details), "missing or wrong bearer token" if given
+                     else "missing bearer token (authorization metadata)")
+
+
+def _deny(handler: grpc.RpcMethodHandler | None, message: str) -> grpc.RpcMethodHandler:
+    async def unary(_request: Any, context: grpc.aio.ServicerContext) -> Any:
+        await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
+
+    async def stream(_request: Any, context: grpc.aio.ServicerContext) -> Any:
+        await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
+        yield  # pragma: no cover - makes this an async generator, as the method expects
+
+    if handler is not None and handler.response_streaming:
+        return grpc.unary_stream_rpc_method_handler(
+            stream, request_deserializer=handler.request_deserializer)
+    deserializer = handler.request_deserializer if handler is not None else None
+    return grpc.unary_unary_rpc_method_handler(unary, request_deserializer=deserializer)
+
+
+def call_metadata(token: str) -> tuple[tuple[str, str], ...]:
+    return (("authorization", f"Bearer {token}"),)

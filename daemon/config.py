@@ -1,0 +1,43 @@
+"""The agent's configuration (what `ultrad` flags resolve to)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+
+
+@dataclass(frozen=True)
+class TLSConfig:
+    cert: Path
+    key: Path
+    ca: Path | None = None  # set: require client certificates signed by it (mTLS)
+
+    def server_credentials(self) -> grpc.ServerCredentials:
+        ca = self.ca.read_bytes() if self.ca else None
+        return grpc.ssl_server_credentials([(self.key.read_bytes(), self.cert.read_bytes())],
+                                           root_certificates=ca, require_client_auth=ca is not None)
+
+
+@dataclass(frozen=True)
+class AgentConfig:
+    node_id: str
+    devices: int
+    etcd: str
+    listen: str = "127.0.0.1:0"
+    metrics_listen: str = "127.0.0.1:0"
+    state_dir: Path = Path("/var/lib/ultrad")
+    job: str = "default"          # the etcd namespace: /ultrascale/<job>/
+    ttl: int = 5                  # lease TTL; every other timeout derives from it
+    token_file: Path | None = None
+    insecure: bool = False
+    tls: TLSConfig | None = None
+    advertise_host: str = ""      # host peers and workers use; default: the listen host
+    workers: bool = True          # False: control plane only (tests), no worker processes
+    worker_module: str = "trainer.worker"
+
+    @property
+    def debounce_s(self) -> float:
+        # Batch a burst of joins into one generation without delaying a failure much.
+        return min(0.5, self.ttl / 10)

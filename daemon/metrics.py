@@ -1,0 +1,75 @@
+"""The agent's Prometheus metrics, in a registry of its own, served on --metrics-listen.
+
+Names follow ARCHITECTURE.md "Observability". Training metrics count the job's global progress
+as seen by this node's local rank 0 (every rank reports the same global loss and token count),
+so any one agent's /metrics tells the job's story.
+"""
+
+from __future__ import annotations
+
+import platform
+from dataclasses import dataclass, field
+from wsgiref.simple_server import WSGIServer
+
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    Info,
+    start_http_server,
+)
+
+from daemon import __version__
+
+MEMORY_KINDS = ("params", "grads", "optimizer", "activations")
+_STEP_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+_RECOVERY_BUCKETS = (0.25, 0.5, 1, 2, 3, 5, 10, 20, 30, 60, 120)
+
+
+@dataclass
+class Metrics:
+    registry: CollectorRegistry = field(default_factory=CollectorRegistry)
+
+    def __post_init__(self) -> None:
+        r = self.registry
+        self.steps = Counter("ultra_train_steps_total", "Training steps completed", registry=r)
+        self.tokens = Counter("ultra_train_tokens_total", "Tokens trained on (global)",
+                              registry=r)
+        self.loss = Gauge("ultra_train_loss", "Loss of the last completed step", registry=r)
+        self.step_duration = Histogram("ultra_train_step_duration_seconds",
+                                       "Wall time of one training step", buckets=_STEP_BUCKETS,
+                                       registry=r)
+        self.world_size = Gauge("ultra_world_size", "Devices in the current generation",
+                                registry=r)
+        self.mesh_size = Gauge("ultra_mesh_size", "Size of each mesh dimension", ["dim"],
+                               registry=r)
+        self.generation = Gauge("ultra_generation", "Current generation number", registry=r)
+        self.membership_changes = Counter("ultra_membership_changes_total",
+                                          "New generations, by what caused them", ["reason"],
+                                          registry=r)
+        self.recovery = Histogram("ultra_recovery_duration_seconds",
+                                  "Failure detected to first step of the new generation",
+                                  buckets=_RECOVERY_BUCKETS, registry=r)
+        self.is_leader = Gauge("ultra_agent_is_leader", "1 while this agent leads", registry=r)
+        self.bubble = Gauge("ultra_pipeline_bubble_ratio", "Pipeline idle fraction (0-1)",
+                            ["source"], registry=r)
+        self.recompute_seconds = Counter("ultra_recompute_seconds_total",
+                                         "Time spent recomputing activations", registry=r)
+        self.recompute_ratio = Gauge("ultra_recompute_ratio",
+                                     "Recompute share of step time (0-1)", registry=r)
+        self.memory = Gauge("ultra_memory_bytes", "Memory per device", ["kind", "source"],
+                            registry=r)
+        self.build = Info("ultra_build", "Build information", registry=r)
+        self.build.info({"version": __version__, "python": platform.python_version()})
+        for dim in ("dp", "tp", "pp", "cp"):
+            self.mesh_size.labels(dim=dim).set(0)
+        for reason in ("start", "join", "leave", "drain", "failure", "job"):
+            self.membership_changes.labels(reason=reason)
+        self.is_leader.set(0)
+
+
+def serve(metrics: Metrics, host: str, port: int) -> WSGIServer:
+    """Serve /metrics in a daemon thread; returns the server (call `.shutdown()` to stop)."""
+    server, _thread = start_http_server(port, addr=host, registry=metrics.registry)
+    return server

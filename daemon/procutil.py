@@ -1,0 +1,55 @@
+"""Process and port helpers shared by the etcd launcher, the supervisor and `ultrad local`."""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import signal
+import socket
+import subprocess
+import sys
+from collections.abc import Callable
+
+_PR_SET_PDEATHSIG = 1
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port that was free a moment ago (the kernel's choice, so parallel runs don't collide)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def die_with_parent(sig: int = signal.SIGKILL) -> Callable[[], None] | None:
+    """A preexec_fn making the child receive `sig` when its parent dies (Linux only).
+
+    A killed agent must leave no orphans: its workers hold devices and sockets that the next
+    generation needs.
+    """
+    if not sys.platform.startswith("linux"):
+        return None
+    libc = ctypes.CDLL(None, use_errno=True)
+    parent = os.getpid()
+
+    def preexec() -> None:
+        libc.prctl(_PR_SET_PDEATHSIG, sig, 0, 0, 0)
+        # The parent may have died between fork and prctl.
+        if os.getppid() != parent:
+            os._exit(1)
+
+    return preexec
+
+
+def terminate(proc: subprocess.Popen[bytes], timeout: float = 5.0) -> int | None:
+    """SIGTERM, then SIGKILL after `timeout`; returns the exit code."""
+    if proc.poll() is None:
+        with contextlib.suppress(ProcessLookupError):
+            proc.terminate()
+        try:
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                proc.kill()
+            proc.wait()
+    return proc.returncode

@@ -1,0 +1,36 @@
+"""The c10d TCPStore of each generation, hosted by the agent the plan names (the leader).
+
+A store outlives any worker, so a failing worker never takes the rendezvous down with it, and
+a fresh port per generation keeps a straggler of the old generation from ever reaching the new
+one (notes/inprocess-reformation.md). torch is imported lazily, in a thread, so the agent
+starts fast and its event loop (keepalives!) keeps running while torch loads.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+
+class StoreHost:
+    def __init__(self, host: str, keep: int = 2) -> None:
+        self.host = host
+        self.keep = keep
+        self._stores: dict[int, Any] = {}
+
+    async def open(self, generation: int) -> int:
+        """Start the store of `generation` on a fresh port; returns the port."""
+        store = await asyncio.to_thread(self._start)
+        self._stores[generation] = store
+        # Keep the previous generation's store a while: its workers may still be leaving.
+        for old in sorted(self._stores)[:-self.keep]:
+            del self._stores[old]
+        return int(store.port)
+
+    def _start(self) -> Any:
+        from torch.distributed import TCPStore
+
+        return TCPStore(self.host, 0, is_master=True, wait_for_workers=False)
+
+    def close(self) -> None:
+        self._stores.clear()

@@ -1,0 +1,185 @@
+"""ultrad: the per-node agent.
+
+    ultrad --etcd URL[,URL] --node-id ID --devices N --listen ADDR --metrics-listen ADDR \\
+           --state-dir DIR [--token-file F] [--insecure] [--config FILE]
+    ultrad local JOB.toml --nodes N --devices-per-node K [--state-dir DIR] [--set k=v ...]
+
+Every flag falls back to an `ULTRA_<FLAG>` environment variable (e.g. ULTRA_NODE_ID), then to
+the TOML file given by --config (keys as the flags, with underscores), then to its default.
+Exit codes: 0 clean stop, 1 failure, 2 usage.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import signal
+import socket
+import sys
+from pathlib import Path
+from typing import Any
+
+from daemon.auth import AuthError, check_listen
+from daemon.etcd_client import parse_endpoints
+from daemon.keys import check_name
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+log = logging.getLogger("ultrad")
+
+# name: (type, default, help); None default = required.
+_OPTIONS: dict[str, tuple[type, Any, str]] = {
+    "etcd": (str, None, "etcd endpoints, comma separated (host:port or http://host:port)"),
+    "node_id": (str, socket.gethostname().split(".")[0], "this node's id (default: hostname)"),
+    "devices": (int, None, "devices (workers) on this node"),
+    "listen": (str, "127.0.0.1:7400", "gRPC listen address for ultractl and peers"),
+    "metrics_listen": (str, "127.0.0.1:9400", "Prometheus /metrics listen address"),
+    "state_dir": (str, "/var/lib/ultrad", "state directory (token, socket, worker logs)"),
+    "token_file": (str, "", "admin bearer token file (default: generated in the state dir)"),
+    "job": (str, "default", "job namespace in etcd: keys live under /ultrascale/<job>/"),
+    "ttl": (int, 5, "lease TTL in seconds; every other timeout derives from it"),
+    "advertise_host": (str, "", "host peers and workers reach this agent at"),
+    "tls_cert": (str, "", "TLS certificate (PEM) for the gRPC listener"),
+    "tls_key": (str, "", "TLS private key (PEM)"),
+    "tls_ca": (str, "", "CA (PEM) that client certificates must chain to (mTLS)"),
+    "worker_module": (str, "trainer.worker", "python module a worker runs"),
+    "log_level": (str, "info", "debug|info|warning|error"),
+}
+_FLAGS = {"insecure": "allow a non-loopback listen address without TLS",
+          "no_workers": "control plane only: plan generations but start no worker processes"}
+
+
+class UsageError(ValueError):
+    pass
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="ultrad", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", help="TOML file with defaults for the flags below")
+    for name, (_, _, help_) in _OPTIONS.items():
+        p.add_argument(f"--{name.replace('_', '-')}", dest=name, default=None, help=help_)
+    for name, help_ in _FLAGS.items():
+        p.add_argument(f"--{name.replace('_', '-')}", dest=name, action="store_true",
+                       default=None, help=help_)
+    return p
+
+
+def _truthy(value: Any) -> bool:
+    return value is True or str(value).lower() in ("1", "true", "yes", "on")
+
+
+def resolve_options(args: argparse.Namespace, env: dict[str, str]) -> dict[str, Any]:
+    """flag > ULTRA_* env > --config file > default, with types checked and fields named."""
+    file_values: dict[str, Any] = {}
+    config = args.config or env.get("ULTRA_CONFIG")
+    if config:
+        try:
+            file_values = tomllib.loads(Path(config).read_text())
+        except (OSError, tomllib.TOMLDecodeError) as exc:
+            raise UsageError(f"--config {config}: {exc}") from None
+        unknown = set(file_values) - set(_OPTIONS) - set(_FLAGS)
+        if unknown:
+            raise UsageError(f"--config {config}: unknown key(s) {', '.join(sorted(unknown))}")
+    out: dict[str, Any] = {}
+    for name, (type_, default, _) in {**_OPTIONS, **{f: (bool, False, "") for f in _FLAGS}}.items():
+        for value in (getattr(args, name), env.get(f"ULTRA_{name.upper()}"),
+                      file_values.get(name)):
+            if value is not None:
+                break
+        else:
+            value = default
+        if value is None:
+            raise UsageError(f"--{name.replace('_', '-')} is required "
+                             f"(or ULTRA_{name.upper()}, or `{name}` in --config)")
+        try:
+            out[name] = _truthy(value) if type_ is bool else type_(value)
+        except (TypeError, ValueError):
+            raise UsageError(f"--{name.replace('_', '-')} must be {type_.__name__} "
+                             f"(got {value!r})") from None
+    return out
+
+
+def build_config(opts: dict[str, Any]) -> Any:
+    from daemon.config import AgentConfig, TLSConfig
+
+    try:
+        parse_endpoints(opts["etcd"])
+        check_name("--node-id", opts["node_id"])
+        check_name("--job", opts["job"])
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    if opts["devices"] < 0:
+        raise UsageError(f"--devices must be >= 0 (got {opts['devices']})")
+    if opts["ttl"] < 2:
+        raise UsageError(f"--ttl must be >= 2 seconds (etcd's minimum lease; got {opts['ttl']})")
+    if bool(opts["tls_cert"]) != bool(opts["tls_key"]):
+        raise UsageError("--tls-cert and --tls-key go together")
+    tls = None
+    if opts["tls_cert"]:
+        tls = TLSConfig(Path(opts["tls_cert"]), Path(opts["tls_key"]),
+                        Path(opts["tls_ca"]) if opts["tls_ca"] else None)
+    try:
+        check_listen(opts["listen"], tls=tls is not None, insecure=opts["insecure"])
+        # /metrics carries no secret, but the same policy keeps surprises away.
+        check_listen(opts["metrics_listen"], tls=False, insecure=opts["insecure"],
+                     flag="--metrics-listen")
+    except (AuthError, ValueError) as exc:
+        raise UsageError(str(exc)) from None
+    return AgentConfig(
+        node_id=opts["node_id"], devices=opts["devices"], etcd=opts["etcd"],
+        listen=opts["listen"], metrics_listen=opts["metrics_listen"],
+        state_dir=Path(opts["state_dir"]).expanduser(), job=opts["job"], ttl=opts["ttl"],
+        token_file=Path(opts["token_file"]).expanduser() if opts["token_file"] else None,
+        insecure=opts["insecure"], tls=tls, advertise_host=opts["advertise_host"],
+        workers=not opts["no_workers"], worker_module=opts["worker_module"],
+    )
+
+
+async def run_agent(config: Any) -> int:
+    from daemon.agent import Agent
+
+    agent = Agent(config)
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, agent.stopping.set)
+    try:
+        await agent.start()
+        await agent.serve_forever()
+    finally:
+        await agent.stop()
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["local"]:
+        from daemon.local import main as local_main
+
+        return local_main(argv[1:])
+    args = _parser().parse_args(argv)
+    try:
+        opts = resolve_options(args, dict(os.environ))
+        config = build_config(opts)
+    except UsageError as exc:
+        print(f"ultrad: {exc}", file=sys.stderr)
+        return 2
+    logging.basicConfig(
+        level=opts["log_level"].upper(), stream=sys.stderr,
+        format=f"%(asctime)s %(levelname)s ultrad[{config.node_id}] %(name)s: %(message)s")
+    # grpc's own debug logs (a traceback per cancelled stream) drown the agent's.
+    logging.getLogger("grpc").setLevel(max(logging.INFO, logging.getLogger().level))
+    try:
+        return asyncio.run(run_agent(config))
+    except (OSError, RuntimeError) as exc:
+        log.error("%s", exc)
+        return 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,314 @@
+# ruff: noqa
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class GetStatusRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class Layout(_message.Message):
+    __slots__ = ("dp", "tp", "pp", "cp")
+    DP_FIELD_NUMBER: _ClassVar[int]
+    TP_FIELD_NUMBER: _ClassVar[int]
+    PP_FIELD_NUMBER: _ClassVar[int]
+    CP_FIELD_NUMBER: _ClassVar[int]
+    dp: int
+    tp: int
+    pp: int
+    cp: int
+    def __init__(self, dp: _Optional[int] = ..., tp: _Optional[int] = ..., pp: _Optional[int] = ..., cp: _Optional[int] = ...) -> None: ...
+
+class Status(_message.Message):
+    __slots__ = ("job", "node", "state", "generation", "step", "world_size", "layout", "leader", "consumed_samples", "loss", "finished", "nodes")
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    NODE_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    LEADER_FIELD_NUMBER: _ClassVar[int]
+    CONSUMED_SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    LOSS_FIELD_NUMBER: _ClassVar[int]
+    FINISHED_FIELD_NUMBER: _ClassVar[int]
+    NODES_FIELD_NUMBER: _ClassVar[int]
+    job: str
+    node: str
+    state: str
+    generation: int
+    step: int
+    world_size: int
+    layout: Layout
+    leader: str
+    consumed_samples: int
+    loss: float
+    finished: bool
+    nodes: int
+    def __init__(self, job: _Optional[str] = ..., node: _Optional[str] = ..., state: _Optional[str] = ..., generation: _Optional[int] = ..., step: _Optional[int] = ..., world_size: _Optional[int] = ..., layout: _Optional[_Union[Layout, _Mapping]] = ..., leader: _Optional[str] = ..., consumed_samples: _Optional[int] = ..., loss: _Optional[float] = ..., finished: _Optional[bool] = ..., nodes: _Optional[int] = ...) -> None: ...
+
+class ListNodesRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class Node(_message.Message):
+    __slots__ = ("node", "address", "metrics_url", "devices", "state", "pid", "leader", "version")
+    NODE_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    METRICS_URL_FIELD_NUMBER: _ClassVar[int]
+    DEVICES_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    PID_FIELD_NUMBER: _ClassVar[int]
+    LEADER_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    node: str
+    address: str
+    metrics_url: str
+    devices: int
+    state: str
+    pid: int
+    leader: bool
+    version: str
+    def __init__(self, node: _Optional[str] = ..., address: _Optional[str] = ..., metrics_url: _Optional[str] = ..., devices: _Optional[int] = ..., state: _Optional[str] = ..., pid: _Optional[int] = ..., leader: _Optional[bool] = ..., version: _Optional[str] = ...) -> None: ...
+
+class ListNodesResponse(_message.Message):
+    __slots__ = ("nodes",)
+    NODES_FIELD_NUMBER: _ClassVar[int]
+    nodes: _containers.RepeatedCompositeFieldContainer[Node]
+    def __init__(self, nodes: _Optional[_Iterable[_Union[Node, _Mapping]]] = ...) -> None: ...
+
+class GetPlanRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class Plan(_message.Message):
+    __slots__ = ("generation", "plan_json")
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    PLAN_JSON_FIELD_NUMBER: _ClassVar[int]
+    generation: int
+    plan_json: str
+    def __init__(self, generation: _Optional[int] = ..., plan_json: _Optional[str] = ...) -> None: ...
+
+class SubmitJobRequest(_message.Message):
+    __slots__ = ("spec_toml", "overrides", "replace")
+    SPEC_TOML_FIELD_NUMBER: _ClassVar[int]
+    OVERRIDES_FIELD_NUMBER: _ClassVar[int]
+    REPLACE_FIELD_NUMBER: _ClassVar[int]
+    spec_toml: str
+    overrides: _containers.RepeatedScalarFieldContainer[str]
+    replace: bool
+    def __init__(self, spec_toml: _Optional[str] = ..., overrides: _Optional[_Iterable[str]] = ..., replace: _Optional[bool] = ...) -> None: ...
+
+class SubmitJobResponse(_message.Message):
+    __slots__ = ("job", "revision")
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    REVISION_FIELD_NUMBER: _ClassVar[int]
+    job: str
+    revision: int
+    def __init__(self, job: _Optional[str] = ..., revision: _Optional[int] = ...) -> None: ...
+
+class NodeRequest(_message.Message):
+    __slots__ = ("node",)
+    NODE_FIELD_NUMBER: _ClassVar[int]
+    node: str
+    def __init__(self, node: _Optional[str] = ...) -> None: ...
+
+class NodeResponse(_message.Message):
+    __slots__ = ("node", "state", "request_id")
+    NODE_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    node: str
+    state: str
+    request_id: str
+    def __init__(self, node: _Optional[str] = ..., state: _Optional[str] = ..., request_id: _Optional[str] = ...) -> None: ...
+
+class CheckpointRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class CheckpointResponse(_message.Message):
+    __slots__ = ("request_id",)
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    def __init__(self, request_id: _Optional[str] = ...) -> None: ...
+
+class WatchEventsRequest(_message.Message):
+    __slots__ = ("follow",)
+    FOLLOW_FIELD_NUMBER: _ClassVar[int]
+    follow: bool
+    def __init__(self, follow: _Optional[bool] = ...) -> None: ...
+
+class Event(_message.Message):
+    __slots__ = ("revision", "kind", "node", "generation", "message")
+    REVISION_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    NODE_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    revision: int
+    kind: str
+    node: str
+    generation: int
+    message: str
+    def __init__(self, revision: _Optional[int] = ..., kind: _Optional[str] = ..., node: _Optional[str] = ..., generation: _Optional[int] = ..., message: _Optional[str] = ...) -> None: ...
+
+class Progress(_message.Message):
+    __slots__ = ("generation", "step", "consumed_samples", "loss", "finished", "checkpoint_step", "checkpoint_path")
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    CONSUMED_SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    LOSS_FIELD_NUMBER: _ClassVar[int]
+    FINISHED_FIELD_NUMBER: _ClassVar[int]
+    CHECKPOINT_STEP_FIELD_NUMBER: _ClassVar[int]
+    CHECKPOINT_PATH_FIELD_NUMBER: _ClassVar[int]
+    generation: int
+    step: int
+    consumed_samples: int
+    loss: float
+    finished: bool
+    checkpoint_step: int
+    checkpoint_path: str
+    def __init__(self, generation: _Optional[int] = ..., step: _Optional[int] = ..., consumed_samples: _Optional[int] = ..., loss: _Optional[float] = ..., finished: _Optional[bool] = ..., checkpoint_step: _Optional[int] = ..., checkpoint_path: _Optional[str] = ...) -> None: ...
+
+class ProgressReply(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class GenerationRequest(_message.Message):
+    __slots__ = ("after_generation", "local_rank", "global_rank", "wait_seconds")
+    AFTER_GENERATION_FIELD_NUMBER: _ClassVar[int]
+    LOCAL_RANK_FIELD_NUMBER: _ClassVar[int]
+    GLOBAL_RANK_FIELD_NUMBER: _ClassVar[int]
+    WAIT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    after_generation: int
+    local_rank: int
+    global_rank: int
+    wait_seconds: float
+    def __init__(self, after_generation: _Optional[int] = ..., local_rank: _Optional[int] = ..., global_rank: _Optional[int] = ..., wait_seconds: _Optional[float] = ...) -> None: ...
+
+class GenerationPlan(_message.Message):
+    __slots__ = ("generation", "plan_json", "changed", "global_rank", "local_rank", "world_size", "store_host", "store_port", "exit")
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    PLAN_JSON_FIELD_NUMBER: _ClassVar[int]
+    CHANGED_FIELD_NUMBER: _ClassVar[int]
+    GLOBAL_RANK_FIELD_NUMBER: _ClassVar[int]
+    LOCAL_RANK_FIELD_NUMBER: _ClassVar[int]
+    WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    STORE_HOST_FIELD_NUMBER: _ClassVar[int]
+    STORE_PORT_FIELD_NUMBER: _ClassVar[int]
+    EXIT_FIELD_NUMBER: _ClassVar[int]
+    generation: int
+    plan_json: str
+    changed: bool
+    global_rank: int
+    local_rank: int
+    world_size: int
+    store_host: str
+    store_port: int
+    exit: bool
+    def __init__(self, generation: _Optional[int] = ..., plan_json: _Optional[str] = ..., changed: _Optional[bool] = ..., global_rank: _Optional[int] = ..., local_rank: _Optional[int] = ..., world_size: _Optional[int] = ..., store_host: _Optional[str] = ..., store_port: _Optional[int] = ..., exit: _Optional[bool] = ...) -> None: ...
+
+class StepReport(_message.Message):
+    __slots__ = ("generation", "global_rank", "step", "loss", "tokens", "consumed_samples", "step_seconds", "world_size", "dp", "memory_params_bytes", "memory_grads_bytes", "memory_optimizer_bytes", "memory_activations_bytes", "memory_peak_bytes", "bubble_ratio", "recompute_seconds", "recompute_ratio", "local_rank")
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    GLOBAL_RANK_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    LOSS_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    CONSUMED_SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    STEP_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    DP_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_PARAMS_BYTES_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_GRADS_BYTES_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_OPTIMIZER_BYTES_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_ACTIVATIONS_BYTES_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_PEAK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    BUBBLE_RATIO_FIELD_NUMBER: _ClassVar[int]
+    RECOMPUTE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    RECOMPUTE_RATIO_FIELD_NUMBER: _ClassVar[int]
+    LOCAL_RANK_FIELD_NUMBER: _ClassVar[int]
+    generation: int
+    global_rank: int
+    step: int
+    loss: float
+    tokens: int
+    consumed_samples: int
+    step_seconds: float
+    world_size: int
+    dp: int
+    memory_params_bytes: float
+    memory_grads_bytes: float
+    memory_optimizer_bytes: float
+    memory_activations_bytes: float
+    memory_peak_bytes: float
+    bubble_ratio: float
+    recompute_seconds: float
+    recompute_ratio: float
+    local_rank: int
+    def __init__(self, generation: _Optional[int] = ..., global_rank: _Optional[int] = ..., step: _Optional[int] = ..., loss: _Optional[float] = ..., tokens: _Optional[int] = ..., consumed_samples: _Optional[int] = ..., step_seconds: _Optional[float] = ..., world_size: _Optional[int] = ..., dp: _Optional[int] = ..., memory_params_bytes: _Optional[float] = ..., memory_grads_bytes: _Optional[float] = ..., memory_optimizer_bytes: _Optional[float] = ..., memory_activations_bytes: _Optional[float] = ..., memory_peak_bytes: _Optional[float] = ..., bubble_ratio: _Optional[float] = ..., recompute_seconds: _Optional[float] = ..., recompute_ratio: _Optional[float] = ..., local_rank: _Optional[int] = ...) -> None: ...
+
+class StepReply(_message.Message):
+    __slots__ = ("stop_after_step", "stop_now", "checkpoint_now")
+    STOP_AFTER_STEP_FIELD_NUMBER: _ClassVar[int]
+    STOP_NOW_FIELD_NUMBER: _ClassVar[int]
+    CHECKPOINT_NOW_FIELD_NUMBER: _ClassVar[int]
+    stop_after_step: int
+    stop_now: bool
+    checkpoint_now: bool
+    def __init__(self, stop_after_step: _Optional[int] = ..., stop_now: _Optional[bool] = ..., checkpoint_now: _Optional[bool] = ...) -> None: ...
+
+class FailureReport(_message.Message):
+    __slots__ = ("generation", "global_rank", "message", "local_rank")
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    GLOBAL_RANK_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    LOCAL_RANK_FIELD_NUMBER: _ClassVar[int]
+    generation: int
+    global_rank: int
+    message: str
+    local_rank: int
+    def __init__(self, generation: _Optional[int] = ..., global_rank: _Optional[int] = ..., message: _Optional[str] = ..., local_rank: _Optional[int] = ...) -> None: ...
+
+class FailureReply(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class DoneReport(_message.Message):
+    __slots__ = ("generation", "global_rank", "step", "local_rank")
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    GLOBAL_RANK_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    LOCAL_RANK_FIELD_NUMBER: _ClassVar[int]
+    generation: int
+    global_rank: int
+    step: int
+    local_rank: int
+    def __init__(self, generation: _Optional[int] = ..., global_rank: _Optional[int] = ..., step: _Optional[int] = ..., local_rank: _Optional[int] = ...) -> None: ...
+
+class DoneReply(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class CheckpointReport(_message.Message):
+    __slots__ = ("generation", "global_rank", "step", "path", "local_rank")
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    GLOBAL_RANK_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    LOCAL_RANK_FIELD_NUMBER: _ClassVar[int]
+    generation: int
+    global_rank: int
+    step: int
+    path: str
+    local_rank: int
+    def __init__(self, generation: _Optional[int] = ..., global_rank: _Optional[int] = ..., step: _Optional[int] = ..., path: _Optional[str] = ..., local_rank: _Optional[int] = ...) -> None: ...
+
+class CheckpointReportReply(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...

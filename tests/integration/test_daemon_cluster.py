@@ -1,0 +1,120 @@
+"""Agents against a real etcd: admin API, auth, metrics, events, bad input."""
+
+from __future__ import annotations
+
+import json
+import urllib.request
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from prometheus_client.parser import text_string_to_metric_families
+
+from proto.ultrascale.v1 import agent_pb2 as pb
+from proto.ultrascale.v1 import agent_pb2_grpc as pb_grpc
+from tests.integration.conftest import Cluster, etcd_call
+
+pytestmark = pytest.mark.integration
+
+
+def test_status_nodes_and_plan(shared_cluster: Cluster) -> None:
+    c = shared_cluster
+    status = json.loads(c.ctl("-o", "json", "status").stdout)
+    assert {"job", "state", "generation", "step", "world_size", "layout"} <= set(status)
+    assert status["job"] == "tiny" and status["generation"] >= 1 and status["world_size"] == 3
+    assert status["layout"] == {"dp": 3, "tp": 1, "pp": 1, "cp": 1}
+    nodes = json.loads(c.ctl("-o", "json", "nodes").stdout)
+    assert [n["node"] for n in nodes] == ["n1", "n2", "n3"]
+    for n in nodes:
+        assert {"node", "address", "metrics_url", "devices", "state", "pid", "leader"} <= set(n)
+        assert n["state"] == "ready" and n["devices"] == 1 and n["pid"] > 0
+    assert sum(n["leader"] for n in nodes) == 1
+    plan = json.loads(c.ctl("-o", "json", "plan").stdout)
+    assert [r["node"] for r in plan["ranks"]] == ["n1", "n2", "n3"]
+    leader = next(n for n in nodes if n["leader"])
+    assert plan["store"]["host"] == leader["address"].rpartition(":")[0]
+    assert plan["store"]["port"] > 0
+    assert c.ctl("-o", "yaml", "status").stdout.startswith("consumed_samples:")
+
+
+def test_wrong_or_missing_token_is_unauthenticated(shared_cluster: Cluster, tmp_path) -> None:
+    c = shared_cluster
+    channel = grpc.insecure_channel(c.agents["n1"].address)
+    stub = pb_grpc.AgentStub(channel)
+    for md in ((), (("authorization", "Bearer nope"),)):
+        with pytest.raises(grpc.RpcError) as err:
+            stub.GetStatus(pb.GetStatusRequest(), timeout=5, metadata=md)
+        assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    with pytest.raises(grpc.RpcError) as err:
+        list(stub.WatchEvents(pb.WatchEventsRequest(), timeout=5,
+                              metadata=(("authorization", "Bearer nope"),)))
+    assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    # Probes need no secret.
+    health = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5)
+    assert health.status == health_pb2.HealthCheckResponse.SERVING
+    wrong = tmp_path / "wrong"
+    wrong.write_text("nope")
+    result = c.ctl("status", token_file=wrong)
+    assert result.returncode == 1 and "UNAUTHENTICATED" in result.stderr
+
+
+def test_bad_job_spec_is_rejected_naming_the_field(shared_cluster: Cluster, tmp_path) -> None:
+    c = shared_cluster
+    before = etcd_call(c.etcd.endpoint, lambda e: e.get(f"/ultrascale/{c.job_ns}/spec".encode()))
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[train]\nglobal_batch = 0\n[data]\nsource = 'synthetic'\n")
+    result = c.ctl("job", "submit", str(bad), "--replace")
+    assert result.returncode == 1, result
+    assert "train.global_batch" in result.stderr
+    result = c.ctl("job", "submit", str(bad), "--set", "parallel.tp=3", "--set",
+                   "train.global_batch=8", "--replace")
+    assert result.returncode == 1 and "parallel.tp" in result.stderr
+    after = etcd_call(c.etcd.endpoint, lambda e: e.get(f"/ultrascale/{c.job_ns}/spec".encode()))
+    assert after == before
+    assert c.status().job == "tiny"
+    usage = c.ctl("job", "submit")
+    assert usage.returncode == 2
+
+
+def test_unknown_node_in_drain_is_a_clear_error(shared_cluster: Cluster) -> None:
+    result = shared_cluster.ctl("drain", "no-such-node")
+    assert result.returncode == 1
+    assert "unknown node 'no-such-node'" in result.stderr and "n1" in result.stderr
+
+
+def test_metrics_parse_and_agree_with_the_plan(shared_cluster: Cluster) -> None:
+    c = shared_cluster
+    generation = c.status().generation
+    leaders = 0.0
+    for agent in c.agents.values():
+        text = urllib.request.urlopen(agent.info["metrics_url"], timeout=5).read().decode()
+        samples = {s.name + json.dumps(s.labels, sort_keys=True): s.value
+                   for fam in text_string_to_metric_families(text) for s in fam.samples}
+        names = {k.split("{")[0] for k in samples}
+        for metric in ("ultra_train_steps_total", "ultra_train_tokens_total", "ultra_train_loss",
+                       "ultra_train_step_duration_seconds_count", "ultra_world_size",
+                       "ultra_generation", "ultra_membership_changes_total",
+                       "ultra_recovery_duration_seconds_count", "ultra_agent_is_leader",
+                       "ultra_build_info", "ultra_pipeline_bubble_ratio",
+                       "ultra_recompute_seconds_total", "ultra_recompute_ratio"):
+            if metric != "ultra_pipeline_bubble_ratio":
+                assert metric in names, metric
+        assert samples["ultra_generation{}"] == generation
+        assert samples["ultra_world_size{}"] == 3
+        assert samples['ultra_mesh_size{"dim": "dp"}'] == 3
+        changes = sum(v for k, v in samples.items()
+                      if k.startswith("ultra_membership_changes_total"))
+        assert changes >= 1
+        leaders += samples["ultra_agent_is_leader{}"]
+    assert leaders == 1
+
+
+def test_events_tell_the_story(shared_cluster: Cluster) -> None:
+    result = shared_cluster.ctl("-o", "json", "events")
+    assert result.returncode == 0, result.stderr
+    events = [json.loads(line) for line in result.stdout.splitlines()]
+    kinds = [e["kind"] for e in events]
+    assert kinds.count("node-joined") >= 3 and "leader" in kinds
+    assert "job-submitted" in kinds and "generation" in kinds
+    revisions = [e["revision"] for e in events]
+    assert revisions == sorted(revisions)

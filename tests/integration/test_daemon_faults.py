@@ -1,0 +1,218 @@
+"""Membership changes, leader failure, fencing and etcd restarts, with real agents and etcd."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import time
+
+import pytest
+
+from daemon.election import Election, FencedConflict, NotLeader
+from daemon.etcd_client import Etcd
+from daemon.keys import Keys
+from daemon.leader import Leader
+from daemon.store_host import StoreHost
+from daemon.view import ClusterView
+from parallel import job as jobmod
+from parallel.planner import NodeInfo, plan_generation
+from tests.integration.conftest import TINY_JOB, TTL, Cluster, wait_until
+
+pytestmark = pytest.mark.integration
+
+
+def _generation_history(c: Cluster) -> list[int]:
+    """Every value ever written to the generation key, from etcd's revision history."""
+    from tests.integration.conftest import etcd_call
+
+    key = f"/ultrascale/{c.job_ns}/generation".encode()
+
+    async def history(e: Etcd) -> list[int]:
+        _, until = await e.get_prefix(key)
+        numbers: list[int] = []
+        async for resp in e.watch(key, start_revision=1, progress_every=0.1):
+            numbers += [json.loads(ev.kv.value)["generation"] for ev in resp.events]
+            if not resp.events and not resp.created and resp.header.revision >= until:
+                return numbers
+        return numbers
+
+    return etcd_call(c.etcd.endpoint, history)
+
+
+def _assert_generations_unique(c: Cluster) -> list[int]:
+    numbers = _generation_history(c)
+    assert numbers == list(range(1, len(numbers) + 1)), numbers
+    return numbers
+
+
+def test_membership_changes_make_generations(cluster: Cluster) -> None:
+    for node in ("a", "b", "c"):
+        cluster.start(node)
+    cluster.submit(TINY_JOB)
+    wait_until(lambda: cluster.status().world_size == 3, 20, "world 3")
+    leader = cluster.status().leader
+    victim = next(n for n in ("a", "b", "c") if n != leader)
+    cluster.kill(victim)
+    t0 = time.monotonic()
+    survivor = next(n for n in ("a", "b", "c") if n not in (victim,))
+    wait_until(lambda: cluster.status(survivor).world_size == 2, 3 * TTL, "world 2")
+    assert time.monotonic() - t0 < TTL + 2.0
+    plan = cluster.plan(survivor)
+    assert victim not in {r["node"] for r in plan["ranks"]} and plan["reason"] == "leave"
+    cluster.start("d", devices=2)
+    wait_until(lambda: cluster.status(survivor).world_size == 4, 10, "world 4 after join")
+    plan = cluster.plan("d")
+    assert [(r["node"], r["local_rank"], r["global_rank"]) for r in plan["ranks"]] == [
+        (n, lr, i) for i, (n, lr) in enumerate(
+            [(n, 0) for n in sorted({"a", "b", "c"} - {victim})] + [("d", 0), ("d", 1)])]
+    assert plan["reason"] == "join"
+    # Drain: the next plan leaves the node out; uncordon brings it back.
+    result = cluster.ctl("drain", "d", node=survivor)
+    assert result.returncode == 0 and "draining" in result.stdout, result.stderr
+    wait_until(lambda: cluster.status(survivor).world_size == 2, 10, "world 2 after drain")
+    assert cluster.plan()["reason"] == "drain"
+    wait_until(lambda: cluster.status("d").state == "draining", 5, "d draining")
+    nodes = json.loads(cluster.ctl("-o", "json", "nodes").stdout)
+    assert {n["node"]: n["state"] for n in nodes}["d"] == "draining"
+    assert cluster.ctl("uncordon", "d").returncode == 0
+    wait_until(lambda: cluster.status().world_size == 4, 10, "world 4 after uncordon")
+    # Cordon keeps a running node (as kubectl does) but bars it from new generations.
+    assert cluster.ctl("cordon", "d").returncode == 0
+    time.sleep(1.0)
+    assert cluster.status().world_size == 4
+    _assert_generations_unique(cluster)
+    events = cluster.ctl("events").stdout
+    assert "d: ready -> draining" in events and "generation 2 (leave)" in events
+
+
+def test_leader_killed_another_leads_within_one_ttl(cluster: Cluster) -> None:
+    for node in ("a", "b", "c"):
+        cluster.start(node)
+    cluster.submit(TINY_JOB)
+    wait_until(lambda: cluster.status().world_size == 3, 20, "world 3")
+    old = cluster.status().leader
+    old_generation = cluster.status().generation
+    others = [n for n in ("a", "b", "c") if n != old]
+    cluster.kill(old)
+    t0 = time.monotonic()
+    new = wait_until(lambda: (cluster.status(others[0]).leader or None)
+                     if cluster.status(others[0]).leader != old else None,
+                     3 * TTL, "a new leader", interval=0.02)
+    elapsed = time.monotonic() - t0
+    assert new in others
+    assert elapsed <= TTL + 0.5, f"new leader after {elapsed:.2f}s (ttl {TTL}s)"
+    wait_until(lambda: cluster.status(others[1]).world_size == 2, 10, "world 2")
+    assert cluster.status(others[1]).generation == old_generation + 1
+    _assert_generations_unique(cluster)
+
+
+def test_stale_leader_writes_are_rejected(etcd) -> None:
+    """A paused leader whose lease expired wakes up and writes: its old token fails."""
+    job = jobmod.loads(TINY_JOB)
+    keys = Keys("fence")
+
+    async def scenario() -> None:
+        e = Etcd(etcd.endpoint, timeout=2)
+        try:
+            old, new = Election(e, keys, "old"), Election(e, keys, "new")
+            # Long leases: this test expires the old one explicitly, by revoking it.
+            lease_old, lease_new = await e.grant(60), await e.grant(60)
+            assert await old.campaign(lease_old)
+            assert not await new.campaign(lease_new)
+            stale_token = old.token
+            view = ClusterView(e, keys)
+            task = asyncio.create_task(view.run())
+            await asyncio.wait_for(view.synced.wait(), 5)
+            leader_old = Leader(e, keys, view, old, StoreHost("127.0.0.1"), TTL, 0.01,
+                                _never_probe)
+            plan = plan_generation(job, [NodeInfo("old", 1)], 1, ("", 0))
+            assert (await leader_old.write_generation(plan, "start")).generation == 1
+            await e.revoke(lease_old)  # what etcd does when the lease expires
+            assert await new.campaign(lease_new)
+            assert new.token > stale_token
+            with pytest.raises(NotLeader):
+                await leader_old.election.fenced_txn(
+                    [], [e.tx.put(keys.generation, b'{"generation": 2}')], token=stale_token)
+            old.token = stale_token  # the paused process still believes it leads
+            with pytest.raises(NotLeader):
+                await leader_old.write_generation(plan, "stale")
+            with pytest.raises(NotLeader):
+                await leader_old.record_progress({"generation": 1, "step": 99})
+            assert not old.is_leader
+            got = await e.get(keys.generation)
+            assert got is not None and json.loads(got.value)["generation"] == 1
+            assert await e.get(keys.progress) is None
+            # Two writers racing for the same number with a valid token: exactly one wins.
+            leader_new = Leader(e, keys, view, new, StoreHost("127.0.0.1"), TTL, 0.01,
+                                _never_probe)
+            results = await asyncio.gather(leader_new.write_generation(plan, "a"),
+                                           leader_new.write_generation(plan, "b"),
+                                           return_exceptions=True)
+            assert sum(isinstance(r, FencedConflict) for r in results) == 1, results
+            task.cancel()
+        finally:
+            await e.close()
+
+    asyncio.run(scenario())
+
+
+async def _never_probe(address: str) -> bool:
+    return True
+
+
+def test_etcd_killed_and_restarted_agents_rewatch(cluster: Cluster) -> None:
+    for node in ("a", "b", "c"):
+        cluster.start(node)
+    cluster.submit(TINY_JOB)
+    wait_until(lambda: cluster.status().world_size == 3, 20, "world 3")
+    generation = cluster.status().generation
+    cluster.etcd.kill()
+    time.sleep(0.5)
+    cluster.etcd.start()  # same data dir and ports
+    # The agents reconnect (keeping their leases, which etcd restores, or, if the outage
+    # outlasted a keepalive deadline, fencing and re-joining), re-watch, and act on changes.
+    wait_until(lambda: all(cluster.status(n).nodes == 3 for n in ("a", "b", "c")), 15,
+               "all agents members again")
+    result = wait_until(lambda: (r := cluster.ctl("drain", "c")).returncode == 0 and r, 10,
+                        "drain after the restart")
+    assert "draining" in result.stdout
+    for node in ("a", "b"):
+        wait_until(lambda n=node: cluster.status(n).world_size == 2, 10, f"{node} sees world 2")
+        assert cluster.status(node).generation > generation
+    assert cluster.status().nodes == 3
+    # Killed for longer than a TTL: every agent fences itself, then re-joins with a new lease.
+    cluster.etcd.kill()
+    time.sleep(TTL + 1.0)
+    cluster.etcd.start()
+    wait_until(lambda: all(cluster.status(n).nodes == 3 for n in ("a", "b", "c")), 15,
+               "all agents re-joined")
+    for node in ("a", "b", "c"):
+        assert "fencing myself" in cluster.agents[node].log
+    wait_until(lambda: cluster.status("a").leader != "", 10, "a leader again")
+    _assert_generations_unique(cluster)
+
+
+def test_non_loopback_listen_without_tls_is_refused(tmp_path) -> None:
+    import subprocess
+    import sys
+
+    from tests.integration.conftest import ROOT
+
+    args = [sys.executable, "-m", "daemon.ultrad", "--etcd", "127.0.0.1:1", "--node-id", "x",
+            "--devices", "1", "--listen", "0.0.0.0:0", "--state-dir", str(tmp_path)]
+    result = subprocess.run(args, capture_output=True, text=True, timeout=30, cwd=ROOT)
+    assert result.returncode == 2 and "--insecure" in result.stderr and "TLS" in result.stderr
+
+
+def test_sigterm_leaves_at_once(cluster: Cluster) -> None:
+    for node in ("a", "b"):
+        cluster.start(node)
+    cluster.submit(TINY_JOB)
+    wait_until(lambda: cluster.status().world_size == 2, 20, "world 2")
+    cluster.kill("b", signal.SIGTERM)
+    assert cluster.agents["b"].proc.wait(10) == 0
+    # A clean stop revokes the lease: the survivor re-plans without waiting for the TTL.
+    t0 = time.monotonic()
+    wait_until(lambda: cluster.status("a").world_size == 1, 5, "world 1")
+    assert time.monotonic() - t0 < TTL

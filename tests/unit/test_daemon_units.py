@@ -1,0 +1,137 @@
+"""Daemon pieces that need no etcd: auth, flags, config contexts, state machine, supervisor."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import stat
+from pathlib import Path
+
+import pytest
+
+from daemon.auth import AuthError, check_listen, load_or_create_token
+from daemon.ctlconfig import Context, ContextError, load_context, save_context
+from daemon.keys import Keys, NodeRecord
+from daemon.state import AgentState, StateMachine
+from daemon.supervisor import Supervisor, WorkerExit
+from daemon.ultrad import UsageError, _parser, build_config, resolve_options
+
+pytestmark = pytest.mark.unit
+
+
+def test_token_is_generated_once_with_0600(tmp_path: Path) -> None:
+    token, path = load_or_create_token(None, tmp_path / "state")
+    assert len(token) >= 32 and stat.S_IMODE(path.stat().st_mode) == 0o600
+    assert load_or_create_token(None, tmp_path / "state") == (token, path)
+    given = tmp_path / "given"
+    given.write_text("abc\n")
+    assert load_or_create_token(given, tmp_path / "other")[0] == "abc"
+    with pytest.raises(AuthError, match="--token-file"):
+        load_or_create_token(tmp_path / "missing", tmp_path)
+
+
+@pytest.mark.parametrize("address", ["127.0.0.1:1", "localhost:1", "[::1]:1", "unix:/tmp/s"])
+def test_loopback_listen_needs_no_tls(address: str) -> None:
+    check_listen(address, tls=False, insecure=False)
+
+
+def test_non_loopback_listen_needs_tls_or_insecure() -> None:
+    with pytest.raises(AuthError, match="--insecure"):
+        check_listen("0.0.0.0:7400", tls=False, insecure=False)
+    check_listen("0.0.0.0:7400", tls=True, insecure=False)
+    check_listen("10.1.2.3:7400", tls=False, insecure=True)
+
+
+def test_flags_fall_back_to_env_then_config_file(tmp_path: Path) -> None:
+    config = tmp_path / "ultrad.toml"
+    config.write_text('devices = 4\nnode_id = "from-file"\nttl = 7\n')
+    args = _parser().parse_args(["--config", str(config), "--node-id", "from-flag"])
+    opts = resolve_options(args, {"ULTRA_ETCD": "127.0.0.1:2379", "ULTRA_TTL": "3"})
+    assert opts["node_id"] == "from-flag" and opts["devices"] == 4 and opts["ttl"] == 3
+    cfg = build_config(opts)
+    assert cfg.etcd == "127.0.0.1:2379" and cfg.workers is True
+    with pytest.raises(UsageError, match="--devices is required"):
+        resolve_options(_parser().parse_args(["--etcd", "h:1"]), {})
+    with pytest.raises(UsageError, match="--devices must be int"):
+        resolve_options(_parser().parse_args(["--etcd", "h:1", "--devices", "x"]), {})
+    bad = tmp_path / "bad.toml"
+    bad.write_text("colour = 1\n")
+    with pytest.raises(UsageError, match="unknown key"):
+        resolve_options(_parser().parse_args(["--config", str(bad)]), {})
+    opts = resolve_options(_parser().parse_args(["--etcd", "nohost", "--devices", "1"]), {})
+    with pytest.raises(UsageError, match="--etcd"):
+        build_config(opts)
+
+
+def test_contexts_round_trip(tmp_path: Path) -> None:
+    path = tmp_path / "ultrascale" / "config"
+    assert load_context(path) is None
+    save_context(path, Context("local", "127.0.0.1:1", "/t"))
+    save_context(path, Context("prod", "10.0.0.1:7400", "/p"), make_current=False)
+    assert load_context(path) == Context("local", "127.0.0.1:1", "/t")
+    assert load_context(path, "prod").endpoint == "10.0.0.1:7400"
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    with pytest.raises(ContextError, match="no context 'nope'"):
+        load_context(path, "nope")
+
+
+def test_state_machine_logs_each_transition_once(caplog: pytest.LogCaptureFixture) -> None:
+    seen: list[tuple[AgentState, AgentState]] = []
+    sm = StateMachine(lambda old, new, _reason: seen.append((old, new)))
+    with caplog.at_level(logging.INFO, logger="daemon.state"):
+        assert sm.to(AgentState.WAITING, "joined")
+        assert not sm.to(AgentState.WAITING, "joined again")
+        assert sm.to(AgentState.RUNNING, "generation 1")
+    assert seen == [(AgentState.JOINING, AgentState.WAITING),
+                    (AgentState.WAITING, AgentState.RUNNING)]
+    assert len([r for r in caplog.records if "->" in r.getMessage()]) == 2
+
+
+def test_keys_and_records() -> None:
+    keys = Keys("job-1")
+    assert keys.node("a") == b"/ultrascale/job-1/nodes/a"
+    assert keys.relative(keys.generation) == "generation"
+    with pytest.raises(ValueError, match="job"):
+        Keys("../etc")
+    record = NodeRecord("a", "h:1", "http://h:2/metrics", 2)
+    assert NodeRecord.from_json(record.to_json()) == record
+    with pytest.raises(ValueError, match="node state"):
+        record.with_state("asleep")
+
+
+def test_supervisor_spawns_reports_deaths_and_stops(tmp_path: Path) -> None:
+    """A worker gets the documented env, dies with a reported exit, and stops on request."""
+    worker = tmp_path / "envworker.py"
+    worker.write_text(
+        "import json, os, sys, time\n"
+        "keys = ('ULTRA_AGENT_SOCKET', 'ULTRA_LOCAL_RANK', 'ULTRA_NODE_ID',\n"
+        "        'TORCH_DISABLE_SHARE_RDZV_TCP_STORE', 'TORCHELASTIC_ERROR_FILE')\n"
+        "out = os.path.join(os.path.dirname(__file__), f\"env-{os.environ['ULTRA_LOCAL_RANK']}\")\n"
+        "json.dump({k: os.environ.get(k) for k in keys}, open(out, 'w'))\n"
+        "sys.exit(3) if os.environ['ULTRA_LOCAL_RANK'] == '1' else time.sleep(60)\n"
+    )
+    exits: list[WorkerExit] = []
+
+    async def scenario() -> None:
+        sup = Supervisor("n1", tmp_path / "agent.sock", tmp_path / "logs", exits.append,
+                         worker_module="envworker", extra_env={"PYTHONPATH": str(tmp_path)})
+        assert await sup.ensure([0, 1]) == [0, 1]
+        for _ in range(200):
+            if exits and (tmp_path / "env-0").exists():
+                break
+            await asyncio.sleep(0.05)
+        assert await sup.ensure([0]) == []  # alive: not respawned
+        await sup.stop(grace=2)
+        assert sup.alive() == {}
+
+    asyncio.run(scenario())
+    import json
+
+    env = json.loads((tmp_path / "env-0").read_text())
+    assert env["ULTRA_LOCAL_RANK"] == "0" and env["ULTRA_NODE_ID"] == "n1"
+    assert env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] == "1"
+    assert env["ULTRA_AGENT_SOCKET"] == str(tmp_path / "agent.sock")
+    died = [e for e in exits if e.local_rank == 1]
+    assert died and died[0].returncode == 3 and not died[0].expected
+    stopped = [e for e in exits if e.local_rank == 0]
+    assert stopped and stopped[0].expected
