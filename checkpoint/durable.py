@@ -40,6 +40,9 @@ class CheckpointManager:
         self._committed = threading.Event()
         self._committed.set()
         self._error: str | None = None
+        # Rank 0 only: the newest checkpoint whose manifest this process wrote.
+        self.committed_step = 0
+        self.committed_path: Path | None = None
 
     def save_async(self, state: TrainState) -> None:
         """Stage the state to host memory now and write it in the background."""
@@ -57,6 +60,7 @@ class CheckpointManager:
         try:
             future.result()
             write_manifest(path, step=step, consumed_samples=consumed, layout=self.layout)
+            self.committed_step, self.committed_path = step, path
             apply_retention(self.root, self.keep)
         except Exception as exc:  # reported, never raised into DCP's executor thread
             self._error = f"checkpoint {path.name} failed: {exc}"

@@ -69,6 +69,7 @@ class Agent:
         self._failure_at: tuple[float, int] | None = None  # (monotonic, generation) of a failure
         self._progress: dict[str, Any] = {}
         self._progress_sent_at = 0.0
+        self._progress_dirty = False
         self._progress_task: asyncio.Task[None] | None = None
         self._peer_channels: dict[str, grpc.aio.Channel] = {}
 
@@ -317,6 +318,7 @@ class Agent:
         if update.get("generation", 0) != self._progress.get("generation"):
             self._progress = {"checkpoint_step": -1, "checkpoint_path": "", "finished": False}
         self._progress.update(update)
+        self._progress_dirty = True
         now = time.monotonic()
         if not urgent and now - self._progress_sent_at < PROGRESS_INTERVAL_S:
             return
@@ -325,7 +327,13 @@ class Agent:
             self._progress_task = asyncio.get_running_loop().create_task(self._send_progress())
 
     async def _send_progress(self) -> None:
-        p = dict(self._progress)
+        # An update that arrives while a send is in flight (the final "finished" one, say)
+        # must not be lost: keep sending until nothing new is left.
+        while self._progress_dirty:
+            self._progress_dirty = False
+            await self._send_progress_once(dict(self._progress))
+
+    async def _send_progress_once(self, p: dict[str, Any]) -> None:
         message = pb.Progress(
             generation=int(p.get("generation", 0)), step=int(p.get("step", 0)),
             consumed_samples=int(p.get("consumed_samples", 0)), loss=float(p.get("loss", 0.0)),
