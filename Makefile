@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
 TORCH_CPU ?= torch==2.13.0
 
-.PHONY: install test test-unit test-distributed test-integration lint demo bench proto clean
+.PHONY: install test test-unit test-distributed test-integration lint demo demo-resume bench proto clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -38,6 +38,9 @@ lint: $(VENV)/.installed
 
 demo: $(VENV)/.installed
 	$(PY) -m examples.demo
+
+demo-resume: $(VENV)/.installed
+	$(PY) -m examples.resume_demo
 
 proto: $(VENV)/.installed
 	$(PY) -m proto.generate
