@@ -25,7 +25,7 @@ import grpc
 from daemon.auth import call_metadata, load_or_create_token
 from daemon.ctlconfig import Context, config_path, save_context
 from daemon.etcd_server import EtcdServer
-from daemon.procutil import die_with_parent, terminate
+from daemon.procutil import parent_death_env, terminate
 from parallel import job as jobmod
 from proto.ultrascale.v1 import agent_pb2 as pb
 from proto.ultrascale.v1 import agent_pb2_grpc as pb_grpc
@@ -69,8 +69,8 @@ class LocalCluster:
                 "--ttl", str(self.ttl), "--job", self.namespace, *self.extra_agent_args]
         with (node_dir / "ultrad.log").open("ab") as log:
             proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT,
-                                    stdin=subprocess.DEVNULL, preexec_fn=die_with_parent(),
-                                    env={**os.environ, "PYTHONPATH": _pythonpath()})
+                                    stdin=subprocess.DEVNULL,
+                                    env={**os.environ, "PYTHONPATH": _pythonpath(), **parent_death_env()})
         self.agents[node] = proc
         return proc
 

@@ -41,6 +41,28 @@ def die_with_parent(sig: int = signal.SIGKILL) -> Callable[[], None] | None:
     return preexec
 
 
+PARENT_PID_ENV = "ULTRA_PARENT_PID"
+
+
+def arm_parent_death(sig: int = signal.SIGKILL) -> None:
+    """In a child started with `PARENT_PID_ENV` set: receive `sig` when that parent dies.
+
+    The child arms this itself because a preexec_fn forces fork() in the parent, and forking a
+    process that runs gRPC lets gRPC's fork handlers crash the child before exec.
+    """
+    expected = int(os.environ.pop(PARENT_PID_ENV, "0"))
+    if not expected or not sys.platform.startswith("linux"):
+        return
+    ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, sig, 0, 0, 0)
+    if os.getppid() != expected:
+        os._exit(1)
+
+
+def parent_death_env() -> dict[str, str]:
+    """Environment for a child that should call `arm_parent_death` at start."""
+    return {PARENT_PID_ENV: str(os.getpid())}
+
+
 def terminate(proc: subprocess.Popen[bytes], timeout: float = 5.0) -> int | None:
     """SIGTERM, then SIGKILL after `timeout`; returns the exit code."""
     if proc.poll() is None:

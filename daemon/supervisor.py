@@ -11,7 +11,8 @@ A worker is `python -m <worker_module>` with:
   ULTRA_NODE_ID        this node's id
   TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1   never host or share a store: the agent hosts it
   TORCHELASTIC_ERROR_FILE                where torch.distributed.elastic's @record writes the error
-and dies with its agent (PR_SET_PDEATHSIG), so a killed node leaves no orphan holding devices.
+  ULTRA_AGENT_PID                        the agent's pid: the worker arms PR_SET_PDEATHSIG itself
+and dies with its agent, so a killed node leaves no orphan holding devices.
 """
 
 from __future__ import annotations
@@ -25,8 +26,6 @@ import sys
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-
-from daemon.procutil import die_with_parent
 
 log = logging.getLogger(__name__)
 
@@ -87,12 +86,16 @@ class Supervisor:
             "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
             "TORCHELASTIC_ERROR_FILE": str(error_path),
             "PYTHONUNBUFFERED": "1",
+            # The worker arms its own parent-death signal against this pid (first thing in
+            # trainer.worker). A preexec_fn would force fork() instead of vfork(): gRPC's
+            # fork handlers then restart its poller in the child, which crashes (SIGSEGV or
+            # SIGABRT) when the child closes fds before exec.
+            "ULTRA_AGENT_PID": str(os.getpid()),
         }
         with log_path.open("ab") as out:
             proc = await asyncio.create_subprocess_exec(
                 self.python, "-m", self.worker_module, stdin=asyncio.subprocess.DEVNULL,
                 stdout=out, stderr=asyncio.subprocess.STDOUT, env=env,
-                preexec_fn=die_with_parent(),
             )
         worker = _Worker(rank, proc, log_path, error_path)
         worker.task = asyncio.create_task(self._reap(worker), name=f"reap-worker-{rank}")

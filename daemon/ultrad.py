@@ -24,6 +24,7 @@ from typing import Any
 from daemon.auth import AuthError, check_listen
 from daemon.etcd_client import parse_endpoints
 from daemon.keys import check_name
+from daemon.procutil import arm_parent_death
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -157,6 +158,7 @@ async def run_agent(config: Any) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    arm_parent_death()
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["local"]:
         from daemon.local import main as local_main

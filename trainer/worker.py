@@ -14,8 +14,10 @@ next step's collectives would turn a planned change into a timeout.
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
+import signal
 import sys
 import time
 from dataclasses import dataclass
@@ -35,6 +37,7 @@ from trainer.loop import StepResult, Trainer
 from trainer.teardown import leave_world
 
 NO_STOP = 2**62
+PR_SET_PDEATHSIG = 1
 
 
 def _log(msg: str) -> None:
@@ -123,6 +126,19 @@ class AgentLink:
                 step=step,
             )
         )
+
+
+def die_with_agent() -> None:
+    """SIGKILL this process when the agent that spawned it dies (Linux PR_SET_PDEATHSIG).
+
+    Armed here rather than in a preexec_fn, which would make the agent fork() (see
+    daemon/supervisor.py). If the agent died before this ran, exit now.
+    """
+    agent_pid = int(os.environ.get("ULTRA_AGENT_PID", "0"))
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    if agent_pid and os.getppid() != agent_pid:
+        raise SystemExit("the agent that started this worker is gone")
 
 
 def _device(local_rank: int) -> tuple[torch.device, str, str]:
@@ -257,6 +273,7 @@ def run_one(link: AgentLink, gp: pb.GenerationPlan, timeout: timedelta) -> Outco
 
 
 def main() -> int:
+    die_with_agent()
     socket_path = os.environ["ULTRA_AGENT_SOCKET"]
     local_rank = int(os.environ.get("ULTRA_LOCAL_RANK", "0"))
     timeout = timedelta(seconds=float(os.environ.get("ULTRA_PG_TIMEOUT", "60")))

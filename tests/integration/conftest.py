@@ -24,7 +24,7 @@ import pytest
 from daemon.auth import call_metadata
 from daemon.etcd_client import Etcd
 from daemon.etcd_server import EtcdServer
-from daemon.procutil import die_with_parent, terminate
+from daemon.procutil import parent_death_env, terminate
 from proto.ultrascale.v1 import agent_pb2 as pb
 from proto.ultrascale.v1 import agent_pb2_grpc as pb_grpc
 
@@ -94,8 +94,7 @@ class Cluster:
                 "--no-workers", "--log-level", "debug", *extra]
         with (state / "ultrad.log").open("ab") as log:
             proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT,
-                                    env={**os.environ, "PYTHONPATH": str(ROOT)},
-                                    preexec_fn=die_with_parent())
+                                    env={**os.environ, "PYTHONPATH": str(ROOT), **parent_death_env()})
         agent = AgentProc(node, proc, state)
         self.agents[node] = agent
         info = wait_until(lambda: (state / "agent.json").exists() or proc.poll() is not None,
