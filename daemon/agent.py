@@ -35,6 +35,7 @@ from daemon.store_host import StoreHost
 from daemon.supervisor import Supervisor, WorkerExit
 from daemon.view import ClusterView
 from daemon.worker_service import WorkerControlService
+from parallel.planner import Plan
 from proto.ultrascale.v1 import agent_pb2 as pb
 from proto.ultrascale.v1 import agent_pb2_grpc as pb_grpc
 
@@ -72,6 +73,10 @@ class Agent:
         self._progress_dirty = False
         self._progress_task: asyncio.Task[None] | None = None
         self._peer_channels: dict[str, grpc.aio.Channel] = {}
+        # Per local rank: the generation a worker was last handed, and whether it is asking
+        # for the next one right now (free, not stuck in an old generation's collectives).
+        self._worker_generation: dict[int, int] = {}
+        self._worker_asking: dict[int, bool] = {}
 
     # -- lifecycle -----------------------------------------------------------------------------
 
@@ -225,7 +230,9 @@ class Agent:
             if in_plan:
                 self.state.to(AgentState.RECONFIGURING, f"generation {plan.generation}")
                 if self.supervisor is not None:
-                    await self.supervisor.ensure(r.local_rank for r in plan.ranks_of(self.node_id))
+                    await self._ensure_workers(plan)
+            if self.supervisor is not None:
+                asyncio.get_running_loop().create_task(self._enforce_leave(plan.generation))
         if record.state == "draining":
             self.state.to(AgentState.DRAINING, "drain requested")
         elif in_plan:
@@ -251,6 +258,42 @@ class Agent:
                 log.warning("could not apply %s: %s", request_id, exc)
                 return
         await self._follow_generation()
+
+    def worker_asking(self, local_rank: int, asking: bool, handed: int | None = None) -> None:
+        """Called by the worker service around each GetGeneration of a local worker."""
+        self._worker_asking[local_rank] = asking
+        if handed is not None:
+            self._worker_generation[local_rank] = handed
+
+    async def _enforce_leave(self, generation: int) -> None:
+        """Replace workers that have not left an older generation 3 TTLs after `generation`.
+
+        A worker learns of a new generation at its next step report, or when a collective of
+        the old one fails; one blocked in an old generation's rendezvous or collective would
+        otherwise sit out its process-group timeout while its peers wait for it in the new one,
+        and a staggered group can fail generation after generation that way.
+        """
+        await asyncio.sleep(3 * self.config.ttl)
+        plan, supervisor = self.view.plan, self.supervisor
+        if supervisor is None or plan is None or plan.generation != generation:
+            return
+        stuck = [rank for rank in supervisor.alive()
+                 if not self._worker_asking.get(rank, False)
+                 and self._worker_generation.get(rank, 0) < generation]
+        if not stuck:
+            return
+        log.warning("worker(s) %s did not leave their generation within %ds of generation %d: "
+                    "replacing them", stuck, 3 * self.config.ttl, generation)
+        await supervisor.stop(stuck, grace=0)
+        await self._ensure_workers(plan)
+
+    async def _ensure_workers(self, plan: Plan) -> None:
+        assert self.supervisor is not None
+        started = await self.supervisor.ensure(r.local_rank for r in plan.ranks_of(self.node_id))
+        for rank in started:
+            # A new process's first GetGeneration hands it this generation: not stuck in an old one.
+            self._worker_generation[rank] = plan.generation
+            self._worker_asking[rank] = False
 
     def worker_should_exit(self, local_rank: int) -> bool:
         if self.stopping.is_set() or local_rank >= self.config.devices:

@@ -49,14 +49,19 @@ class WorkerControlService(pb_grpc.WorkerControlServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                                 f"rank: no local rank {local} on node {self.agent.node_id}")
         wait = request.wait_seconds if request.wait_seconds > 0 else None
-        await view.wait_for(
-            lambda: view.generation > after or self.agent.worker_should_exit(local), wait)
+        self.agent.worker_asking(local, True)
+        try:
+            await view.wait_for(
+                lambda: view.generation > after or self.agent.worker_should_exit(local), wait)
+        finally:
+            self.agent.worker_asking(local, False)
         plan = view.plan
         exit_ = self.agent.worker_should_exit(local)
         if plan is None or plan.generation <= after:
             return pb.GenerationPlan(generation=view.generation, changed=False, global_rank=-1,
                                      local_rank=local, exit=exit_)
         mine = [r for r in plan.ranks_of(self.agent.node_id) if r.local_rank == local]
+        self.agent.worker_asking(local, False, handed=plan.generation)
         return pb.GenerationPlan(
             generation=plan.generation, plan_json=plan.to_json(), changed=True,
             global_rank=mine[0].global_rank if mine else -1, local_rank=local,

@@ -74,6 +74,11 @@ def leave_world() -> None:
     """
     if dist.is_initialized():
         dist.destroy_process_group()
+    # Unnamed groups are named by a process-wide counter that destroy_process_group resets, but
+    # a join that failed inside init_process_group has already bumped it with no group left to
+    # destroy. A survivor of such a join would then name its groups differently from a fresh
+    # process and the next rendezvous would wait on keys nobody writes.
+    dist.distributed_c10d._world.group_count = 0
     gc.collect()
     _clear_functools_caches()
     _clear_dtensor_caches()

@@ -85,3 +85,14 @@ def test_three_generations_leave_nothing_behind(token_file: Path, tmp_path: Path
     assert last == first, (
         f"after generation 1 {first}, after generation 3 {last} (before: {baseline})"
     )
+
+
+def test_a_failed_join_does_not_shift_group_names():
+    """A join whose peers never come must not change how the next generation names its groups."""
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=1))
+    fresh_name = dist.distributed_c10d._world.group_count
+    with pytest.raises(dist.DistError):
+        dist.init_process_group("gloo", store=dist.PrefixStore("generation/7", store), rank=0, world_size=2,
+                                timeout=timedelta(seconds=1))
+    leave_world()
+    assert dist.distributed_c10d._world.group_count == fresh_name == 0

@@ -1,0 +1,519 @@
+"""Recovery after `kill -9` of one of 3 nodes: ultrad against torchrun's elastic c10d rendezvous.
+
+    python -m bench.recovery [--runs 3] [--arms ultrad,torchrun-default,torchrun-tuned]
+                             [--kill-step 8] [--workdir DIR] [--keep]
+
+Every arm trains the same small job (a 2-layer GQA Llama on a synthetic token file, global batch
+10, durable DCP checkpoints every 4 steps) on 3 "nodes" on loopback with one CPU worker each,
+kills one node at about step `--kill-step` (SIGKILL to the node's agent and its worker), and times
+from the kill to:
+
+  detect     the failure is known to the control plane. ultrad: the leader's log line
+             "failure in generation g" (a survivor's collective failed, the leader probed the
+             generation's agents and revoked the dead one's lease). torchrun: the first survivor
+             agent logging that its worker group failed.
+  rdzv       the new world is agreed. ultrad: the leader's log line "generation g+1"; torchrun:
+             the first "Rendezvous complete" logged by a survivor after the kill.
+  restore    the state is restored: the start of the first step after recovery (its completion
+             time minus its own duration: the step starts right after the restore).
+  first step the first step of the new world completed (ultrad: steps.jsonl `time` of the first
+             line of the new generation; torchrun: when the first JSON step line printed after
+             the restarted workers' "resume:" line reaches the bench).
+
+The killed node is never the one hosting the control plane's store: ultrad's leader (it hosts
+the generation's TCPStore) and torchrun's rendezvous host (the first agent, which binds the
+--rdzv-endpoint port); losing those is a different experiment.
+
+torchrun arms (`python -m torch.distributed.run --nnodes=2:3 --nproc-per-node=1 --max-restarts=3
+--rdzv-backend=c10d --rdzv-endpoint=127.0.0.1:PORT -m trainer --config JOB --resume
+--checkpoint-dir DIR --checkpoint-every 4 --log-format json`): `torchrun-default` with torchrun's
+defaults; `torchrun-tuned` with `--rdzv-conf last_call_timeout=1,join_timeout=60,
+keep_alive_interval=1,keep_alive_max_attempt=2`; `torchrun-lastcall` (not run by default) with
+only `last_call_timeout=1,join_timeout=60`.
+
+Prints a table of medians over `--runs` runs, and each arm's ratio to ultrad's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime as dt
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import textwrap
+import threading
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+GLOBAL_BATCH = 10
+STEPS = 400  # never reached: a run ends once the recovered world has trained a step
+TTL = 2
+TUNED = "last_call_timeout=1,join_timeout=60,keep_alive_interval=1,keep_alive_max_attempt=2"
+ARMS = {
+    "ultrad": None,
+    "torchrun-default": "",
+    "torchrun-lastcall": "last_call_timeout=1,join_timeout=60",
+    "torchrun-tuned": TUNED,
+}
+# torchrun's workers create their own c10d store (hosted by global rank 0), as ultrad's workers
+# never share one either. With torch 2.13's default (workers share the agent's rendezvous store)
+# the restarted 2-rank world hung here: gloo's connectFullMesh read a bogus peer address
+# ("[127.0.0.1]:1932$1") and rank 0 never came up; --torchrun-share-store brings it back.
+TORCHRUN_ENV: dict[str, str] = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+METRICS = ("detect", "rdzv", "restore", "first_step")
+
+
+@dataclass
+class Result:
+    arm: str
+    run: int
+    detect: float | None = None
+    rdzv: float | None = None
+    restore: float | None = None
+    first_step: float | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+    error: str = ""
+
+
+# -- shared ---------------------------------------------------------------------------------
+
+
+def _env() -> dict[str, str]:
+    return {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1",
+            "PYTHONUNBUFFERED": "1", "ULTRA_PG_TIMEOUT": "60"}
+
+
+def write_job(work: Path) -> Path:
+    import numpy as np
+
+    from trainer.tokens import write_token_file
+
+    rng = np.random.default_rng(0)
+    tokens = (np.cumsum(rng.integers(-2, 3, size=200_000)) % 64 + 32).astype(np.uint16)
+    data = work / "walk.bin"
+    write_token_file(data, tokens, vocab_size=256, source="synthetic random walk",
+                     tokenizer="bytes")
+    job = work / "job.toml"
+    job.write_text(textwrap.dedent(f"""\
+        [job]
+        name = "bench-recovery"
+        [model]
+        hidden_size = 64
+        intermediate_size = 128
+        num_hidden_layers = 2
+        num_attention_heads = 4
+        num_key_value_heads = 2
+        vocab_size = 256
+        max_position_embeddings = 64
+        [data]
+        path = "{data}"
+        [train]
+        steps = {STEPS}
+        global_batch = {GLOBAL_BATCH}
+        seq_len = 32
+        seed = 7
+        lr = 1e-2
+        min_lr = 1e-3
+        warmup_steps = 2
+        [parallel]
+        micro_batch = 2
+        [checkpoint]
+        dir = "checkpoints"
+        every = 4
+        keep = 2
+        """))
+    return job
+
+
+def _descendants(pid: int) -> list[int]:
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        with contextlib.suppress(OSError):
+            for task in Path(f"/proc/{p}/task").iterdir():
+                with contextlib.suppress(OSError):
+                    for c in (task / "children").read_text().split():
+                        if int(c) not in out:
+                            out.append(int(c))
+                            todo.append(int(c))
+    return out
+
+
+def kill_node(pid: int) -> float:
+    """SIGKILL a node: its agent and everything under it. Returns the kill's wall time."""
+    victims = _descendants(pid)
+    t = time.time()
+    os.kill(pid, signal.SIGKILL)
+    for v in victims:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(v, signal.SIGKILL)
+    return t
+
+
+def _log_time(line: str) -> float | None:
+    """Wall time of a `logging` line starting 'YYYY-MM-DD HH:MM:SS,mmm'."""
+    m = re.match(r"(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d),(\d{3})", line)
+    if not m:
+        return None
+    return dt.datetime.strptime(m.group(1), "%Y-%m-%d %H:%M:%S").timestamp() \
+        + int(m.group(2)) / 1000
+
+
+def _wait(predicate, timeout: float, what: str, interval: float = 0.05):
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"timed out after {timeout:.0f}s waiting for {what}")
+        time.sleep(interval)
+
+
+# -- ultrad -----------------------------------------------------------------------------------
+
+
+def run_ultrad(work: Path, job: Path, kill_step: int, run: int) -> Result:
+    import grpc
+
+    from daemon.local import LocalCluster, _call
+    from proto.ultrascale.v1 import agent_pb2 as pb
+
+    res = Result("ultrad", run)
+    os.environ.update({"OMP_NUM_THREADS": "1", "ULTRA_PG_TIMEOUT": "60"})
+    cluster = LocalCluster(work / "state", 3, 1, ttl=TTL)
+    output = work / "output"
+    steps_path = output / "steps.jsonl"
+    workers: set[int] = set()
+
+    def lines() -> list[dict[str, Any]]:
+        if not steps_path.exists():
+            return []
+        out = []
+        for raw in steps_path.read_text().splitlines():
+            with contextlib.suppress(ValueError):
+                out.append(json.loads(raw))
+        return out
+
+    try:
+        cluster.start(timeout=90)
+        token = cluster.token_file.read_text().strip()
+
+        def call(method: str, request: object) -> Any:
+            return _call(cluster, token, method, request)
+
+        call("SubmitJob", pb.SubmitJobRequest(spec_toml=job.read_text(),
+                                              overrides=[f'job.output_dir="{output}"']))
+
+        def at_kill_step() -> bool:
+            for proc in cluster.agents.values():
+                workers.update(_descendants(proc.pid))
+            return any(x["step"] >= kill_step for x in lines())
+
+        _wait(at_kill_step, 180, f"step {kill_step}")
+        status = call("GetStatus", pb.GetStatusRequest())
+        leader, generation = status.leader, status.generation
+        victim = next(n for n in ("node-2", "node-1", "node-0") if n != leader)
+        t_kill = kill_node(cluster.agents[victim].pid)
+        res.extra.update(victim=victim, leader=leader)
+
+        def recovered() -> dict[str, Any] | None:
+            return next((x for x in lines() if x["generation"] > generation), None)
+
+        first = _wait(recovered, 240, "the first step of the next generation")
+        res.first_step = first["time"] - t_kill
+        res.restore = first["time"] - first["step_seconds"] - t_kill
+        res.extra.update(generation=first["generation"], world=first["world_size"],
+                         resumed_at_step=first["step"])
+        # The leader's log: failure confirmed, then the next generation written.
+        leader_log = (cluster.state_dir / leader / "ultrad.log").read_text(errors="replace")
+        for line in leader_log.splitlines():
+            t = _log_time(line)
+            if t is None or t < t_kill - 0.01:
+                continue
+            if res.detect is None and f"failure in generation {generation}" in line:
+                res.detect = t - t_kill
+            if res.rdzv is None and re.search(r"daemon\.leader: generation \d+ \(", line):
+                res.rdzv = t - t_kill
+        if res.detect is None:  # no worker report reached it: the lease ran out instead
+            res.extra["detect_via"] = "lease expiry"
+            res.detect = res.rdzv
+        # The agents' own view: ultra_recovery_duration_seconds (failure seen → first step).
+        time.sleep(0.5)
+        for node, proc in cluster.agents.items():
+            if node == victim or proc.poll() is not None:
+                continue
+            info = json.loads((cluster.state_dir / node / "agent.json").read_text())
+            with contextlib.suppress(OSError):
+                text = urllib.request.urlopen(info["metrics_url"], timeout=5).read().decode()
+                s = re.search(r"^ultra_recovery_duration_seconds_sum\S* (\S+)", text, re.M)
+                n = re.search(r"^ultra_recovery_duration_seconds_count\S* (\S+)", text, re.M)
+                if s and n and float(n.group(1)) > 0:
+                    res.extra.setdefault("agent_recovery_s", {})[node] = round(
+                        float(s.group(1)) / float(n.group(1)), 3)
+    except (TimeoutError, OSError, RuntimeError, grpc.RpcError) as exc:
+        res.error = f"{type(exc).__name__}: {exc}"
+    finally:
+        for proc in cluster.agents.values():
+            workers.update(_descendants(proc.pid))
+        cluster.stop()
+        for pid in workers:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, signal.SIGKILL)
+    return res
+
+
+# -- torchrun -------------------------------------------------------------------------------
+
+
+class Reader:
+    """Timestamped lines of one process's merged stdout/stderr, read on a thread."""
+
+    def __init__(self, proc: subprocess.Popen[str], log: Path) -> None:
+        self.proc = proc
+        self.lines: list[tuple[float, str]] = []
+        self.lock = threading.Lock()
+        self.log = log.open("w")
+        self.thread = threading.Thread(target=self._read, daemon=True)
+        self.thread.start()
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            t = time.time()
+            with self.lock:
+                self.lines.append((t, line.rstrip("\n")))
+            self.log.write(f"{t:.3f} {line}")
+            self.log.flush()
+
+    def snapshot(self) -> list[tuple[float, str]]:
+        with self.lock:
+            return list(self.lines)
+
+
+def _step(line: str) -> dict[str, Any] | None:
+    if not line.startswith("{"):
+        return None
+    with contextlib.suppress(ValueError):
+        d = json.loads(line)
+        if isinstance(d, dict) and "step" in d and "loss" in d:
+            return d
+    return None
+
+
+def _port_open(port: int) -> bool:
+    with socket.socket() as s:
+        s.settimeout(0.2)
+        return s.connect_ex(("127.0.0.1", port)) == 0
+
+
+def run_torchrun(arm: str, conf: str, work: Path, job: Path, kill_step: int,
+                 run: int) -> Result:
+    from daemon.procutil import free_port
+
+    res = Result(arm, run)
+    port = free_port()
+    ckpt = work / "checkpoints"
+    procs: list[subprocess.Popen[str]] = []
+    readers: list[Reader] = []
+    args = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2:3", "--nproc-per-node=1",
+            "--max-restarts=3", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}",
+            f"--rdzv-id=bench-{run}"]
+    if conf:
+        args.append(f"--rdzv-conf={conf}")
+    args += ["-m", "trainer", "--config", str(job), "--resume", "--checkpoint-dir", str(ckpt),
+             "--checkpoint-every", "4", "--log-format", "json"]
+    env = {**_env(), "LOGLEVEL": "INFO", **TORCHRUN_ENV}
+    try:
+        for i in range(3):
+            proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                    text=True, cwd=work, env=env, start_new_session=True)
+            procs.append(proc)
+            readers.append(Reader(proc, work / f"torchrun-{i}.log"))
+            if i == 0:  # the first agent binds the endpoint: it hosts the rendezvous store
+                _wait(lambda p=proc: _port_open(port) or p.poll() is not None, 60,
+                      "the rendezvous host to listen")
+        # Every step line comes from global rank 0, on whichever agent hosts it.
+
+        def all_steps() -> list[tuple[float, int, dict[str, Any]]]:
+            out = []
+            for i, r in enumerate(readers):
+                for t, line in r.snapshot():
+                    d = _step(line)
+                    if d is not None:
+                        out.append((t, i, d))
+            return sorted(out, key=lambda x: x[0])
+
+        def failed() -> str:
+            dead = [i for i, p in enumerate(procs) if p.poll() is not None]
+            return f"torchrun agent(s) {dead} exited" if dead else ""
+
+        def at_kill_step() -> bool:
+            if failed():
+                raise RuntimeError(failed())
+            return any(d["step"] >= kill_step for _, _, d in all_steps())
+
+        _wait(at_kill_step, 240, f"step {kill_step}")
+        victim = 2  # never the rendezvous host (0)
+        t_kill = kill_node(procs[victim].pid)
+        res.extra["victim"] = f"torchrun agent {victim}"
+
+        def recovered() -> tuple[float, int, dict[str, Any]] | None:
+            survivors = [i for i in range(3) if i != victim]
+            if all(procs[i].poll() is not None for i in survivors):
+                raise RuntimeError("every surviving torchrun agent exited")
+            for i in survivors:
+                resumed = None
+                for t, line in readers[i].snapshot():
+                    if t < t_kill:
+                        continue
+                    if line.startswith("resume:"):
+                        resumed = t
+                    elif resumed is not None and (d := _step(line)) is not None:
+                        return t, i, d
+            return None
+
+        t_first, host, first = _wait(recovered, 300, "the first step after the restart")
+        res.first_step = t_first - t_kill
+        res.restore = t_first - first["step_seconds"] - t_kill
+        res.extra.update(resumed_at_step=first["step"], dp=first["dp"], rank0_on=host)
+        for i in range(3):
+            if i == victim:
+                continue
+            for t, line in readers[i].snapshot():
+                if t < t_kill:
+                    continue
+                if ("Worker group FAILED" in line or "exitcode" in line) \
+                        and (res.detect is None or t - t_kill < res.detect):
+                    res.detect = t - t_kill
+                    break
+            for t, line in readers[i].snapshot():
+                if t >= t_kill and "Rendezvous complete" in line \
+                        and (res.rdzv is None or t - t_kill < res.rdzv):
+                    res.rdzv = t - t_kill
+                    break
+    except (TimeoutError, OSError, RuntimeError) as exc:
+        res.error = f"{type(exc).__name__}: {exc}"
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGTERM)
+        for proc in procs:
+            try:
+                proc.wait(10)
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+        # Workers of a SIGKILLed agent are in its session too.
+        for proc in procs:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(proc.pid, signal.SIGKILL)
+        for r in readers:
+            r.thread.join(5)
+            r.log.close()
+    return res
+
+
+# -- report ---------------------------------------------------------------------------------
+
+
+def _fmt(x: float | None) -> str:
+    return "-" if x is None else f"{x:.2f}"
+
+
+def table(results: list[Result], arms: list[str]) -> str:
+    med: dict[str, dict[str, float | None]] = {}
+    rows = [["arm", "runs ok", "detect s", "re-rdzv s", "restore s", "kill→first step s",
+             "first step / ultrad"]]
+    for arm in arms:
+        ok = [r for r in results if r.arm == arm and not r.error]
+        med[arm] = {}
+        for m in METRICS:
+            values = [getattr(r, m) for r in ok if getattr(r, m) is not None]
+            med[arm][m] = statistics.median(values) if values else None
+    base = med.get("ultrad", {}).get("first_step")
+    for arm in arms:
+        n = sum(1 for r in results if r.arm == arm)
+        ok = sum(1 for r in results if r.arm == arm and not r.error)
+        fs = med[arm]["first_step"]
+        ratio = f"{fs / base:.1f}x" if fs is not None and base else "-"
+        rows.append([arm, f"{ok}/{n}", *(_fmt(med[arm][m]) for m in METRICS), ratio])
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.recovery", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--runs", type=int, default=3)
+    p.add_argument("--arms", default="ultrad,torchrun-default,torchrun-tuned",
+                   help=f"comma-separated, from {','.join(ARMS)}")
+    p.add_argument("--kill-step", type=int, default=8)
+    p.add_argument("--workdir", default="", help="default: a temporary directory")
+    p.add_argument("--keep", action="store_true", help="keep the work directory (logs)")
+    p.add_argument("--torchrun-share-store", action="store_true",
+                   help="let torchrun's workers share the agent's rendezvous store (torch default)")
+    p.add_argument("--json", default="", help="also write every run's result to this file")
+    args = p.parse_args(argv)
+    arms = [a.strip() for a in args.arms.split(",") if a.strip()]
+    if args.torchrun_share_store:
+        TORCHRUN_ENV.pop("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", None)
+    unknown = [a for a in arms if a not in ARMS]
+    if unknown or args.runs < 1:
+        p.error(f"unknown arm(s) {unknown}" if unknown else "--runs must be >= 1")
+    root = Path(args.workdir or tempfile.mkdtemp(prefix="bench-recovery-")).resolve()
+    root.mkdir(parents=True, exist_ok=True)
+    job = write_job(root)
+    print(f"bench.recovery: work in {root}; {args.runs} run(s) of {', '.join(arms)}; "
+          f"kill -9 of one of 3 nodes at about step {args.kill_step}; ultrad lease TTL {TTL}s",
+          file=sys.stderr, flush=True)
+    results: list[Result] = []
+    for run in range(args.runs):
+        for arm in arms:  # interleaved, so a slow spell on the machine hits every arm
+            work = root / f"{arm}-{run}"
+            shutil.rmtree(work, ignore_errors=True)
+            work.mkdir(parents=True)
+            started = time.monotonic()
+            if arm == "ultrad":
+                res = run_ultrad(work, job, args.kill_step, run)
+            else:
+                res = run_torchrun(arm, ARMS[arm] or "", work, job, args.kill_step, run)
+            results.append(res)
+            print(f"  {arm} run {run}: detect {_fmt(res.detect)}  rdzv {_fmt(res.rdzv)}  "
+                  f"restore {_fmt(res.restore)}  first step {_fmt(res.first_step)}  "
+                  f"{json.dumps(res.extra)}  ({time.monotonic() - started:.0f}s)"
+                  + (f"  FAILED: {res.error}" if res.error else ""), file=sys.stderr, flush=True)
+    print()
+    print("seconds from the kill -9 (medians of successful runs)")
+    print(table(results, arms))
+    failed = [r for r in results if r.error]
+    for r in failed:
+        print(f"note: {r.arm} run {r.run} failed: {r.error}")
+    if args.json:
+        Path(args.json).write_text(json.dumps([r.__dict__ for r in results], indent=1))
+    if not args.keep and not failed:
+        shutil.rmtree(root, ignore_errors=True)
+    elif failed or args.keep:
+        print(f"logs kept in {root}")
+    return 1 if len(failed) == len(results) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
