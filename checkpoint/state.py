@@ -27,6 +27,12 @@ class Progress:
     consumed_samples: int = 0
 
 
+# Flat optimizer state ("state.<fqn>.exp_avg", "param_groups.<fqn>.lr"): keyed per parameter,
+# so a pipeline rank saves and loads exactly its own parameters' entries. The nested form keeps
+# param_groups as one list per rank, which DCP deduplicates to a single rank's list.
+_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
+
+
 class TrainState(Stateful):
     def __init__(
         self, model: nn.Module, optimizer: torch.optim.Optimizer, progress: Progress
@@ -36,7 +42,7 @@ class TrainState(Stateful):
         self.progress = progress
 
     def state_dict(self) -> dict[str, Any]:
-        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
+        model_sd, optim_sd = get_state_dict(self.model, self.optimizer, options=_OPTIONS)
         return {
             "model": model_sd,
             "optim": optim_sd,
@@ -53,7 +59,7 @@ class TrainState(Stateful):
             self.optimizer,
             model_state_dict=state_dict["model"],
             optim_state_dict=state_dict["optim"],
-            options=StateDictOptions(strict=True),
+            options=StateDictOptions(strict=True, flatten_optimizer_state_dict=True),
         )
         self.progress.step = int(state_dict["progress"]["step"])
         self.progress.consumed_samples = int(state_dict["progress"]["consumed_samples"])

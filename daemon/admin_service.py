@@ -106,10 +106,12 @@ class AdminService(pb_grpc.AgentServicer):
         await self.agent.etcd.put(key, dumps({"op": op, "node": node, "time": time.time()}))
 
         def applied() -> bool:
+            # A node briefly absent (re-joining after fencing) applies the request when back.
             member = view.nodes.get(node)
-            return member is None or member.record.state == target
+            return member is not None and member.record.state == target
 
-        if not await view.wait_for(applied, timeout=2 * self.agent.config.ttl):
+        if not await view.wait_for(applied, timeout=2 * self.agent.config.ttl) \
+                and view.nodes.get(node) is not None:
             await self.agent.etcd.delete(key)
             await context.abort(grpc.StatusCode.UNAVAILABLE,
                                 f"node {node!r} did not apply {op} in time; request withdrawn")

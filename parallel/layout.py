@@ -71,9 +71,18 @@ class Layout:
         return cls(**raw)
 
 
-def resolve(job: JobConfig, world_size: int) -> Layout:
-    """The layout of `job` on `world_size` devices, checked against the model and batch."""
+def resolve(job: JobConfig, world_size: int, devices_per_node: int | None = None) -> Layout:
+    """The layout of `job` on `world_size` devices, checked against the model and batch.
+
+    `devices_per_node` (known to the agent, not to a worker) also checks that a TP group fits
+    in one node: TP all-reduces every layer, which only intra-node links sustain.
+    """
     p, m, t = job.parallel, job.model, job.train
+    if devices_per_node is not None and devices_per_node % p.tp:
+        raise ConfigError(
+            f"parallel.tp must divide the devices per node, so a TP group stays inside a node "
+            f"(got tp {p.tp}, {devices_per_node} devices per node)"
+        )
     inner = p.tp * p.pp * p.cp
     if world_size % inner:
         raise ConfigError(
@@ -106,6 +115,16 @@ def resolve(job: JobConfig, world_size: int) -> Layout:
             f"parallel.pp x parallel.virtual_stages must divide model.num_hidden_layers "
             f"(got {p.pp} x {p.virtual_stages}, {m.num_hidden_layers})"
         )
+    if p.tp > 1 and m.tie_word_embeddings:
+        raise ConfigError(
+            "model.tie_word_embeddings needs parallel.tp = 1: the vocab-parallel embedding and "
+            f"head shard the shared matrix on different dims (got tp {p.tp})"
+        )
+    if p.pp > 1 and m.tie_word_embeddings:
+        raise ConfigError(
+            "model.tie_word_embeddings needs parallel.pp = 1: the embedding and the head live on "
+            f"different pipeline stages (got pp {p.pp})"
+        )
     if t.seq_len % (2 * p.cp) and p.cp > 1:
         raise ConfigError(
             f"train.seq_len must be a multiple of 2 x parallel.cp for zig-zag context parallelism "
@@ -132,12 +151,53 @@ def resolve(job: JobConfig, world_size: int) -> Layout:
 
 def check_supported(layout: Layout) -> None:
     """Reject what the workers cannot apply yet, so a plan never names an impossible layout."""
-    for dim in ("tp", "pp", "cp"):
-        if getattr(layout, dim) > 1:
-            raise ConfigError(f"parallel.{dim} > 1 is not yet supported (got {getattr(layout, dim)})")
-    if layout.recompute != "none":
-        raise ConfigError(f"parallel.recompute = {layout.recompute!r} is not yet supported")
-    if layout.zero == 1:
-        raise ConfigError("parallel.zero = 1 is not yet supported (use 2 or 3)")
-    if layout.mixed_precision != "fp32":
-        raise ConfigError(f"parallel.mixed_precision = {layout.mixed_precision!r} is not yet supported")
+    check_pipeline(layout)
+    if layout.cp > 1:
+        raise ConfigError(f"parallel.cp > 1 is not yet supported (got {layout.cp})")
+
+
+def check_pipeline(layout: Layout) -> None:
+    """Pipeline schedule constraints (torch.distributed.pipelining's), each error naming it."""
+    p, v, m, sched = layout.pp, layout.virtual_stages, layout.grad_accum, layout.pp_schedule
+    if p == 1:
+        if v != 1:
+            raise ConfigError(f"parallel.virtual_stages > 1 needs parallel.pp > 1 (got {v})")
+        return
+    if sched in ("gpipe", "1f1b") and v != 1:
+        raise ConfigError(
+            f"parallel.pp_schedule = {sched!r} runs one stage per rank: parallel.virtual_stages "
+            f"must be 1 (got {v}); use 'interleaved_1f1b' or 'zero_bubble' for virtual stages"
+        )
+    if sched == "interleaved_1f1b" and v < 2:
+        raise ConfigError(
+            f"parallel.pp_schedule = 'interleaved_1f1b' needs parallel.virtual_stages >= 2 (got {v})"
+        )
+    if sched == "zero_bubble" and v > 2:
+        raise ConfigError(
+            f"parallel.pp_schedule = 'zero_bubble' supports parallel.virtual_stages 1 (ZB-H1) or "
+            f"2 (ZB-V) (got {v})"
+        )
+    if sched == "zero_bubble" and layout.zero == 3:
+        raise ConfigError(
+            "parallel.pp_schedule = 'zero_bubble' needs parallel.zero <= 2: its split backward "
+            "finds the weights through the stage's registered parameters, which ZeRO-3 has "
+            "resharded after forward, so weight gradients would go astray (torch 2.13)"
+        )
+    if sched == "1f1b" and m < p:
+        raise ConfigError(
+            f"parallel.pp_schedule = '1f1b' needs at least parallel.pp micro-batches per step: "
+            f"grad_accum = ceil(global_batch / (dp x micro_batch)) = {m} < pp = {p}"
+        )
+    if sched == "interleaved_1f1b" or (sched == "zero_bubble" and v == 1):
+        rounds = max(1, m // p)
+        if m % rounds:
+            raise ConfigError(
+                f"parallel.pp_schedule = {sched!r} needs the micro-batches per step "
+                f"(grad_accum = {m}) to be a multiple of max(1, grad_accum // pp) = {rounds}"
+            )
+
+
+def predicted_bubble(layout: Layout) -> float:
+    """Idle fraction of a step from the playbook's r = (p - 1) / (v * m) (bubble / ideal time)."""
+    r = (layout.pp - 1) / (layout.virtual_stages * layout.grad_accum)
+    return r / (1 + r)

@@ -6,23 +6,39 @@ Each technique lives in its own module; this file only sequences them.
 
 from __future__ import annotations
 
-import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from parallel.layout import Layout, check_supported
+from parallel.mixed_precision import mixed_precision_policy
+from parallel.pipeline import split_stages
+from parallel.recompute import RecomputeMeter, apply_recompute
+from parallel.tensor_parallel import apply_tensor_parallel
 from parallel.zero import apply_zero
 
-
-def mixed_precision_policy(layout: Layout) -> MixedPrecisionPolicy:
-    if layout.mixed_precision == "bf16":
-        return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    return MixedPrecisionPolicy()
+__all__ = ["mixed_precision_policy", "parallelize"]
 
 
-def parallelize(model: nn.Module, layout: Layout, mesh: DeviceMesh) -> nn.Module:
-    """Shard `model` (still on the meta device) in place for `layout` on `mesh`."""
+def parallelize(
+    model: nn.Module,
+    layout: Layout,
+    mesh: DeviceMesh,
+    recompute_meter: RecomputeMeter | None = None,
+) -> list[nn.Module]:
+    """Shard `model` (still on the meta device) in place for `layout` on `mesh`.
+
+    Returns the modules that run forward on this rank: `[model]`, or with pp > 1 this rank's
+    pipeline stages (`model` then keeps only the union of their layers; see parallel.pipeline).
+    """
     check_supported(layout)
-    apply_zero(model, layout, mesh["dp"], mixed_precision_policy(layout))
-    return model
+    # 1. TP/SP: parameters become DTensors on the tp mesh (parallel.tensor_parallel).
+    apply_tensor_parallel(model, layout, mesh["tp"])
+    # 2. PP split.
+    parts = split_stages(model, layout, mesh["pp"].get_local_rank()) if layout.pp > 1 else [model]
+    # 3. Recompute, inside FSDP2's hooks so a recomputed block finds its parameters gathered.
+    apply_recompute(model, layout.recompute, recompute_meter or RecomputeMeter())
+    # 4. ZeRO: FSDP2 for ZeRO-2/3 (2-D with TP); ZeRO-1 lives in the optimizer (parallel.zero).
+    for part in parts:
+        # One FSDP root per stage: the schedule reduces each stage's gradients once per step.
+        apply_zero(part, layout, mesh["dp"], mixed_precision_policy(layout))
+    return parts

@@ -78,19 +78,21 @@ class ProgressPrinter:
 
     def step(self, r, dp: int) -> None:  # r: trainer.loop.StepResult
         if self.fmt == "json":
-            print(
-                json.dumps(
-                    {
-                        "step": r.step,
-                        "loss": r.loss,
-                        "consumed_samples": r.consumed_samples,
-                        "tokens": r.tokens,
-                        "dp": dp,
-                        "step_seconds": round(r.step_seconds, 6),
-                    }
-                ),
-                flush=True,
-            )
+            record = {
+                "step": r.step,
+                "loss": r.loss,
+                "consumed_samples": r.consumed_samples,
+                "tokens": r.tokens,
+                "dp": dp,
+                "step_seconds": round(r.step_seconds, 6),
+                "recompute_seconds": round(r.recompute_seconds, 6),
+                "recompute_ratio": round(r.recompute_ratio, 6),
+            }
+            if r.bubble_ratio_measured is not None:
+                record["bubble_ratio_measured"] = round(r.bubble_ratio_measured, 6)
+                record["bubble_ratio_predicted"] = round(r.bubble_ratio_predicted, 6)
+                record["bubble_ratio_pp_ranks"] = [round(x, 6) for x in r.bubble_ratio_pp_ranks]
+            print(json.dumps(record), flush=True)
             return
         if self.first_step is None:
             self.first_step, self.started = r.step, time.perf_counter() - r.step_seconds

@@ -20,8 +20,13 @@ from torch.distributed.tensor import DTensor
 from checkpoint.state import Progress, TrainState
 from ops.loss import count_tokens, cross_entropy_sum
 from parallel.job import JobConfig, TrainConfig
-from parallel.layout import Layout
+from parallel.layout import Layout, predicted_bubble
+from parallel.mixed_precision import compute_context
 from parallel.parallelize import parallelize
+from parallel.pipeline import Pipeline
+from parallel.recompute import RecomputeMeter
+from parallel.tensor_parallel import local_loss, vocab_parallel_loss
+from parallel.zero import ShardedAdamW
 from trainer.data import SampleStream, open_stream, step_micro_batches
 from trainer.model import Llama, build_model, init_weights
 
@@ -34,6 +39,15 @@ class StepResult:
     tokens: int
     grad_norm: float
     step_seconds: float
+    # Pipeline idle fraction (parallel.pipeline), None without pipeline parallelism: this
+    # rank's measurement, the playbook's prediction, and every pp rank's (in pp rank order).
+    bubble_ratio_measured: float | None = None
+    bubble_ratio_predicted: float | None = None
+    bubble_ratio_pp_ranks: tuple[float, ...] = ()
+    # Time this rank spent re-running forward inside backward (parallel.recompute), and its
+    # share of the step; 0 without recomputation.
+    recompute_seconds: float = 0.0
+    recompute_ratio: float = 0.0
 
 
 def learning_rate(t: TrainConfig, step: int) -> float:
@@ -49,19 +63,27 @@ def learning_rate(t: TrainConfig, step: int) -> float:
     return t.min_lr + 0.5 * (t.lr - t.min_lr) * (1 + math.cos(math.pi * progress))
 
 
-def build_optimizer(model: torch.nn.Module, t: TrainConfig) -> torch.optim.Optimizer:
+def build_optimizer(
+    model: torch.nn.Module, t: TrainConfig, zero1_dp_mesh: DeviceMesh | None = None
+) -> torch.optim.Optimizer:
+    """AdamW; with `zero1_dp_mesh`, ZeRO-1's AdamW whose state is sharded over that dp mesh."""
     # Decay matrices only; norms (1-D) keep their scale. DTensor.ndim is the global ndim.
     decay = [p for p in model.parameters() if p.ndim >= 2]
     no_decay = [p for p in model.parameters() if p.ndim < 2]
-    return torch.optim.AdamW(
-        [
-            {"params": decay, "weight_decay": t.weight_decay},
-            {"params": no_decay, "weight_decay": 0.0},
-        ],
-        lr=t.lr,
-        betas=(t.beta1, t.beta2),
-        eps=t.eps,
-    )
+    groups = [
+        {"params": decay, "weight_decay": t.weight_decay},
+        {"params": no_decay, "weight_decay": 0.0},
+    ]
+    if zero1_dp_mesh is not None:
+        return ShardedAdamW(
+            groups,
+            zero1_dp_mesh,
+            lr=t.lr,
+            betas=(t.beta1, t.beta2),
+            eps=t.eps,
+            weight_decay=t.weight_decay,
+        )
+    return torch.optim.AdamW(groups, lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps)
 
 
 class Trainer:
@@ -77,11 +99,19 @@ class Trainer:
     ) -> None:
         self.cfg, self.layout, self.mesh, self.device = cfg, layout, mesh, device
         self.model: Llama = build_model(cfg.model)
-        if mesh is not None:
-            parallelize(self.model, layout, mesh)
+        # With pp > 1, self.model is this rank's union of stages and parts are the stages.
+        self.recompute = RecomputeMeter()
+        parts = (
+            parallelize(self.model, layout, mesh, self.recompute)
+            if mesh is not None
+            else [self.model]
+        )
         self.model.to_empty(device=device)
         init_weights(self.model, cfg.train.seed)
-        self.optimizer = build_optimizer(self.model, cfg.train)
+        for part in parts:
+            part.init_buffers(device)
+        zero1 = mesh["dp"] if mesh is not None and layout.zero == 1 else None
+        self.optimizer = build_optimizer(self.model, cfg.train, zero1)
         self.progress = Progress()
         self.state = TrainState(self.model, self.optimizer, self.progress)
         self.stream = stream or open_stream(
@@ -89,16 +119,29 @@ class Trainer:
         )
         self.dp_rank = mesh["dp"].get_local_rank() if mesh is not None else 0
         self.dp_group = mesh["dp"].get_group() if mesh is not None else None
+        self.pp_group = mesh["pp"].get_group() if mesh is not None and layout.pp > 1 else None
+        self.pipeline = (
+            Pipeline(parts, layout, self.pp_group, device, self._micro_batch_loss)
+            if self.pp_group is not None
+            else None
+        )
 
     @property
     def step_tokens(self) -> int:
         """Target tokens in a step's global batch: the loss denominator (padding excluded)."""
         return self.cfg.train.global_batch * self.cfg.train.seq_len
 
+    def _micro_batch_loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        # With tp > 1 the logits are sharded on the vocabulary and this runs (with its backward)
+        # under `vocab_parallel_loss`; the loss is then a replicated DTensor, made local here
+        # (to_local is differentiable) so that callers and the pipeline see plain tensors.
+        return local_loss(cross_entropy_sum(logits, targets) / self.step_tokens)
+
     def train_step(self) -> StepResult:
         t, layout = self.cfg.train, self.layout
         step = self.progress.step
         start = time.perf_counter()
+        self.recompute.reset()
         lr = learning_rate(t, step)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
@@ -111,20 +154,29 @@ class Trainer:
             layout.micro_batch,
             layout.grad_accum,
         )
-        loss_sum = torch.zeros((), device=self.device)
-        tokens = torch.zeros((), dtype=torch.int64, device=self.device)
-        for mb in batches:
-            inputs, targets = mb.inputs.to(self.device), mb.targets.to(self.device)
-            loss = cross_entropy_sum(self.model(inputs), targets) / self.step_tokens
-            loss.backward()
-            loss_sum += loss.detach()
-            tokens += count_tokens(targets)
+        bubble: dict = {}
+        if self.pipeline is not None:
+            loss_sum, tokens, bubble = self._pipeline_forward_backward(batches)
+        else:
+            loss_sum = torch.zeros((), device=self.device)
+            tokens = torch.zeros((), dtype=torch.int64, device=self.device)
+            for mb in batches:
+                inputs, targets = mb.inputs.to(self.device), mb.targets.to(self.device)
+                with vocab_parallel_loss(layout.tp):
+                    with compute_context(layout, self.device):
+                        loss = self._micro_batch_loss(self.model(inputs), targets)
+                    loss.backward()
+                loss_sum += loss.detach()
+                tokens += count_tokens(targets)
         if self.dp_group is not None:
             reduced = torch.stack([loss_sum, tokens.to(loss_sum.dtype)])
             dist.all_reduce(reduced, group=self.dp_group)
             loss_sum, counted = reduced[0], int(reduced[1].item())
         else:
             counted = int(tokens.item())
+        if self.pp_group is not None:
+            # Only the last stage's rank holds the loss; rank 0 (stage 0) reports it.
+            dist.all_reduce(loss_sum, group=self.pp_group)
         if counted != self.step_tokens:
             raise RuntimeError(
                 f"step {step + 1} consumed {counted} target tokens, expected {self.step_tokens}"
@@ -134,20 +186,62 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         self.progress.step += 1
         self.progress.consumed_samples += t.global_batch
+        step_seconds = time.perf_counter() - start
         return StepResult(
             step=self.progress.step,
             loss=float(loss_sum.item()),
             consumed_samples=self.progress.consumed_samples,
             tokens=self.step_tokens,
             grad_norm=grad_norm,
-            step_seconds=time.perf_counter() - start,
+            step_seconds=step_seconds,
+            **bubble,
+            recompute_seconds=self.recompute.seconds,
+            recompute_ratio=self.recompute.seconds / step_seconds if step_seconds > 0 else 0.0,
         )
 
+    def _pipeline_forward_backward(
+        self, batches: list
+    ) -> tuple[torch.Tensor, torch.Tensor, dict]:
+        """The step's micro-batches through the schedule, as one batch it splits back in order."""
+        inputs = torch.cat([mb.inputs for mb in batches]).to(self.device)
+        targets = torch.cat([mb.targets for mb in batches]).to(self.device)
+        # The schedule runs the loss and its backward inside step(): one context around both.
+        with vocab_parallel_loss(self.layout.tp), compute_context(self.layout, self.device):
+            loss_sum, timing = self.pipeline.step(inputs, targets)
+        loss_sum = local_loss(loss_sum)
+        ratios = torch.zeros(self.layout.pp, dtype=torch.float64)
+        ratios[dist.get_rank(self.pp_group)] = timing.bubble
+        dist.all_reduce(ratios, group=self.pp_group)
+        bubble = {
+            "bubble_ratio_measured": timing.bubble,
+            "bubble_ratio_predicted": predicted_bubble(self.layout),
+            "bubble_ratio_pp_ranks": tuple(ratios.tolist()),
+        }
+        return loss_sum, count_tokens(targets), bubble
+
     def _clip_gradients(self, max_norm: float) -> float:
-        params = [p for p in self.model.parameters() if p.grad is not None]
-        norm = torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm > 0 else math.inf)
+        """Clip by the norm of the whole model's gradient, across every mesh dimension.
+
+        DTensor gradients reduce their norm over the dims they are sharded on; pipeline stages
+        are disjoint plain sets of parameters, so their squared norms are summed over pp here
+        (a per-stage clip_grad_norm_ would clip each stage by its own, smaller norm).
+        """
+        if isinstance(self.optimizer, ShardedAdamW):
+            # ZeRO-1: clip the reduce-scattered gradient slices the optimizer will apply.
+            grads = self.optimizer.reduce_gradients()
+        else:
+            grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+        norm = torch.nn.utils.get_total_norm(grads)
         if isinstance(norm, DTensor):
             norm = norm.full_tensor()
+        if self.pp_group is not None:
+            squared = norm**2
+            dist.all_reduce(squared, group=self.pp_group)
+            norm = squared.sqrt()
+        # As clip_grads_with_norm_, on gradients that need not be attached to parameters.
+        coef = torch.clamp((max_norm if max_norm > 0 else math.inf) / (norm + 1e-6), max=1.0)
+        for g in grads:
+            g.mul_(coef)
         return float(norm.item())
 
     def full_state(self) -> dict[str, torch.Tensor]:
