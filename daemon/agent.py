@@ -226,6 +226,7 @@ class Agent:
             self.metrics.world_size.set(plan.world_size)
             for dim in ("dp", "tp", "pp", "cp"):
                 self.metrics.mesh_size.labels(dim=dim).set(getattr(plan.layout, dim))
+            self.metrics.bubble.labels(source="predicted").set(plan.predicted.bubble_ratio)
             self.metrics.membership_changes.labels(reason=plan.reason or "start").inc()
             if in_plan:
                 self.state.to(AgentState.RECONFIGURING, f"generation {plan.generation}")

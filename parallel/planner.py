@@ -15,7 +15,7 @@ from typing import Any
 
 from parallel import job as jobmod
 from parallel.job import ConfigError, JobConfig
-from parallel.layout import Layout, resolve
+from parallel.layout import Layout, predicted_bubble, resolve
 
 USABLE_STATE = "ready"
 RESTORE_SOURCES = ("init", "checkpoint", "snapshot")
@@ -212,6 +212,7 @@ def plan_generation(
             generation=generation, job=job, layout=layout, ranks=tuple(ranks),
             store=StoreAddress(store[0], int(store[1])),
             restore=Restore.from_dict(restore or {}),
+            predicted=Predicted(bubble_ratio=predicted_bubble(layout)),
             idle=tuple(n.node for n in usable[count:]), reason=reason,
         )
     raise PlanError(f"no subset of the {len(usable)} ready node(s) can host the job: {first_error}")

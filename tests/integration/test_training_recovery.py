@@ -2,7 +2,8 @@
 
 Real etcd, real agents, real persistent workers (gloo). The committed losses in steps.jsonl
 must equal an uninterrupted single-process run within 1e-4 relative (fp32; the summation order
-differs between world sizes) and consumed_samples must be exact at every committed step.
+differs between world sizes) and consumed_samples must be exact at every committed step; each
+survivor's /metrics shows the new world and exactly one recovery.
 """
 
 from __future__ import annotations
@@ -11,9 +12,11 @@ import json
 import os
 import signal
 import time
+import urllib.request
 from pathlib import Path
 
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from daemon.local import LocalCluster, _call
 from proto.ultrascale.v1 import agent_pb2 as pb
@@ -33,6 +36,17 @@ def committed_steps(path: Path) -> dict[int, dict]:
             rec = json.loads(line)
             out[rec["step"]] = rec
     return out
+
+
+def scrape(url: str) -> dict[str, float]:
+    """Unlabelled samples of an agent's /metrics, parsed with prometheus_client's parser."""
+    text = urllib.request.urlopen(url, timeout=5).read().decode()
+    return {
+        sample.name: sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if not sample.labels
+    }
 
 
 def worker_pids(agent_pid: int) -> list[int]:
@@ -104,6 +118,14 @@ def test_kill_one_agent_mid_run(cluster: LocalCluster, token_file: Path, tmp_pat
         "a world-2 generation follows the world-3 one"
     )
     assert committed[STEPS]["world_size"] == 2
+
+    for node in ("node-0", "node-1"):
+        metrics = scrape(json.loads((cluster.state_dir / node / "agent.json").read_text())["metrics_url"])
+        assert metrics["ultra_world_size"] == 2
+        assert metrics["ultra_generation"] >= 2
+        assert metrics["ultra_recovery_duration_seconds_count"] == 1, f"{node}: one failure, one recovery"
+        assert 0 < metrics["ultra_recovery_duration_seconds_sum"] < 60
+        assert metrics["ultra_train_steps_total"] >= STEPS
 
     ref_losses, _ = reference_run(tmp_path / "job.toml", STEPS)
     for step, rec in committed.items():
