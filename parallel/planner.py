@@ -9,6 +9,7 @@ the job (`parallel.layout.resolve`); a later issue grows the search and the pred
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -200,7 +201,9 @@ def plan_generation(
     for count in range(len(usable), 0, -1):
         members = usable[:count]
         try:
-            layout = resolve(job, sum(n.devices for n in members))
+            # Every node's device count a multiple of tp keeps each TP group inside one node.
+            per_node = math.gcd(*(n.devices for n in members))
+            layout = resolve(job, sum(n.devices for n in members), devices_per_node=per_node)
         except ConfigError as exc:
             first_error = first_error or exc
             continue

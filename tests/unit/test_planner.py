@@ -79,3 +79,11 @@ def test_errors_are_clear() -> None:
         plan_generation(_job(), [NodeInfo("a", 1)], 1, ("h", 1), {"source": "tape"})
     with pytest.raises(PlanError, match="malformed plan"):
         Plan.from_json('{"generation": 1}')
+
+
+def test_tp_group_must_fit_in_a_node():
+    job = jobmod.loads('[data]\nsource = "python-stdlib"\n[parallel]\ntp = 4\n')
+    with pytest.raises(PlanError, match="devices per node"):
+        plan_generation(job, [NodeInfo("a", 2), NodeInfo("b", 2)], 1, ("127.0.0.1", 1))
+    plan = plan_generation(job, [NodeInfo("a", 4), NodeInfo("b", 4)], 1, ("127.0.0.1", 1))
+    assert plan.layout.tp == 4 and plan.layout.dp == 2
