@@ -51,11 +51,16 @@ def run_trainer(config: Path, nproc: int | None, *args: str, timeout: float = 30
     return RunResult(proc.returncode, steps, proc.stderr)
 
 
-def final_model_state(ckpt_dir: Path, tmp: Path) -> dict:
-    """Model tensors of a DCP checkpoint, gathered into one dict without a process group."""
+def checkpoint_state(ckpt_dir: Path, tmp: Path) -> dict:
+    """A DCP checkpoint's whole training state, gathered into one dict without a process group."""
     import torch
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
     out = tmp / f"{ckpt_dir.name}.pt"
     dcp_to_torch_save(ckpt_dir, out)
-    return torch.load(out, weights_only=False)["state"]["model"]
+    return torch.load(out, weights_only=False)["state"]
+
+
+def final_model_state(ckpt_dir: Path, tmp: Path) -> dict:
+    """Model tensors of a DCP checkpoint."""
+    return checkpoint_state(ckpt_dir, tmp)["model"]

@@ -21,19 +21,22 @@ def _log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
+def select_device(local_rank: int) -> tuple[torch.device, str, str]:
+    """(device, process-group backend, mesh device type) for this local rank."""
+    if torch.cuda.is_available():
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+        # gloo for the CPU side too: async checkpoint uploads collect on CPU.
+        return device, "cpu:gloo,cuda:nccl", "cuda"
+    return torch.device("cpu"), "gloo", "cpu"
+
+
 def init_distributed(timeout: timedelta) -> tuple[torch.device, str]:
     """Join torchrun's world, or form a world of one when not launched by torchrun."""
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     # Ranks share the host's cores; oversubscribing threads makes every rank slower.
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
-    if torch.cuda.is_available():
-        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-        device = torch.device("cuda", local_rank)
-        torch.cuda.set_device(device)
-        # gloo for the CPU side too: async checkpoint uploads collect on CPU.
-        backend, device_type = "cpu:gloo,cuda:nccl", "cuda"
-    else:
-        device, backend, device_type = torch.device("cpu"), "gloo", "cpu"
+    device, backend, device_type = select_device(int(os.environ.get("LOCAL_RANK", "0")))
     if "RANK" in os.environ:
         dist.init_process_group(backend, timeout=timeout)
     else:

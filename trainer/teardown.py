@@ -11,6 +11,7 @@ lives in this one function and a test checks threads, fds and sockets return to 
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import sys
 import warnings
@@ -19,32 +20,23 @@ import torch
 import torch.distributed as dist
 
 
-def _clear_functools_caches() -> int:
-    cleared = 0
+def _clear_functools_caches() -> None:
+    """Every functools cache of torch.distributed's modules and their classes."""
     with warnings.catch_warnings():  # touching deprecated module attributes warns
         warnings.simplefilter("ignore")
-        cleared += _clear_module_caches()
-    return cleared
-
-
-def _clear_module_caches() -> int:
-    cleared = 0
-    for name, module in list(sys.modules.items()):
-        if module is None or not name.startswith("torch.distributed"):
-            continue
-        for obj in list(vars(module).values()):
-            targets = [obj]
-            if isinstance(obj, type):
-                targets = [getattr(v, "__func__", v) for v in vars(obj).values()]
-            for target in targets:
-                clear = getattr(target, "cache_clear", None)
-                if callable(clear):
-                    try:
-                        clear()
-                        cleared += 1
-                    except TypeError:  # a class with a cache_clear method, not a cache
-                        pass
-    return cleared
+        for name, module in list(sys.modules.items()):
+            if module is None or not name.startswith("torch.distributed"):
+                continue
+            for obj in list(vars(module).values()):
+                targets = [obj]
+                if isinstance(obj, type):
+                    targets = [getattr(v, "__func__", v) for v in vars(obj).values()]
+                for target in targets:
+                    clear = getattr(target, "cache_clear", None)
+                    if callable(clear):
+                        # a class with a cache_clear method, not a cache, needs an instance
+                        with contextlib.suppress(TypeError):
+                            clear()
 
 
 def _clear_dtensor_caches() -> None:
@@ -61,8 +53,8 @@ def _clear_dtensor_caches() -> None:
         planners.clear()
     propagator = DTensor._op_dispatcher.sharding_propagator
     for attr in vars(propagator).values():
-        clear = getattr(attr, "cache_clear", None) or getattr(attr, "clear", None)
-        if callable(clear) and not isinstance(attr, dict):
+        clear = getattr(attr, "cache_clear", None)
+        if callable(clear):
             clear()
 
 

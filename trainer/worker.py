@@ -34,6 +34,7 @@ from parallel.planner import Plan
 from proto.ultrascale.v1 import agent_pb2 as pb
 from proto.ultrascale.v1 import agent_pb2_grpc as pb_grpc
 from trainer.loop import StepResult, Trainer
+from trainer.run import select_device
 from trainer.teardown import leave_world
 
 NO_STOP = 2**62
@@ -85,15 +86,11 @@ class AgentLink:
             step_seconds=r.step_seconds,
             world_size=gp.world_size,
             dp=dp,
+            recompute_seconds=r.recompute_seconds,
+            recompute_ratio=r.recompute_ratio,
         )
-        for field in ("bubble_ratio", "recompute_seconds", "recompute_ratio"):
-            value = (
-                getattr(r, field, None)
-                if field != "bubble_ratio"
-                else getattr(r, "bubble_ratio_measured", None)
-            )
-            if value is not None:
-                setattr(report, field, float(value))
+        if r.bubble_ratio_measured is not None:  # pipeline parallelism only
+            report.bubble_ratio = r.bubble_ratio_measured
         return self.stub.ReportStep(report)
 
     def report_failure(self, gp: pb.GenerationPlan, message: str) -> None:
@@ -141,14 +138,6 @@ def die_with_agent() -> None:
         raise SystemExit("the agent that started this worker is gone")
 
 
-def _device(local_rank: int) -> tuple[torch.device, str, str]:
-    if torch.cuda.is_available():
-        device = torch.device("cuda", local_rank)
-        torch.cuda.set_device(device)
-        return device, "cpu:gloo,cuda:nccl", "cuda"
-    return torch.device("cpu"), "gloo", "cpu"
-
-
 def join_world(gp: pb.GenerationPlan, backend: str, timeout: timedelta) -> None:
     """Join generation gp through the agent-hosted store, under a per-generation prefix."""
     store = dist.TCPStore(gp.store_host, gp.store_port, is_master=False, timeout=timeout)
@@ -161,8 +150,8 @@ def join_world(gp: pb.GenerationPlan, backend: str, timeout: timedelta) -> None:
     )
 
 
-def agree(reply: pb.StepReply, step: int) -> tuple[bool, bool, bool]:
-    """(stop, checkpoint, stop_now) as agreed by every rank of the generation."""
+def agree(reply: pb.StepReply, step: int) -> tuple[bool, bool]:
+    """(stop, checkpoint) as agreed by every rank of the generation."""
     stop_at = reply.stop_after_step if reply.stop_after_step >= 0 else NO_STOP
     flags = torch.tensor(
         [-stop_at, int(reply.stop_now), int(reply.checkpoint_now)], dtype=torch.float64
@@ -172,7 +161,7 @@ def agree(reply: pb.StepReply, step: int) -> tuple[bool, bool, bool]:
     planned_stop = step >= earliest_stop
     # A planned change (join, drain) leaves after a durable checkpoint, so no step is lost;
     # stop_now (another failure, a newer generation) leaves at once.
-    return planned_stop or stop_now, checkpoint or (planned_stop and not stop_now), stop_now
+    return planned_stop or stop_now, checkpoint or (planned_stop and not stop_now)
 
 
 class StepLog:
@@ -202,7 +191,7 @@ class StepLog:
 def train_generation(link: AgentLink, gp: pb.GenerationPlan, timeout: timedelta) -> Outcome:
     plan = Plan.from_json(gp.plan_json)
     job, layout = plan.job, plan.layout
-    device, backend, device_type = _device(link.local_rank)
+    device, backend, device_type = select_device(link.local_rank)
     join_world(gp, backend, timeout)
     trainer = Trainer(job, layout, build_mesh(layout, device_type), device)
     rank0 = gp.global_rank == 0
@@ -232,7 +221,7 @@ def train_generation(link: AgentLink, gp: pb.GenerationPlan, timeout: timedelta)
         result = trainer.train_step()
         if steps:
             steps.append(result, gp.generation, gp.world_size, layout.dp)
-        stop, checkpoint, _ = agree(link.report_step(gp, result, layout.dp), result.step)
+        stop, checkpoint = agree(link.report_step(gp, result, layout.dp), result.step)
         periodic = (
             ckpt is not None and job.checkpoint.every and result.step % job.checkpoint.every == 0
         )

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from tests.distributed.reference import reference_run
-from tests.launch import run_trainer
+from tests.launch import checkpoint_state, run_trainer
 
 pytestmark = pytest.mark.distributed
 STEPS = 10
@@ -27,11 +27,7 @@ def fp32_losses(token_file, tmp_path_factory):
 
 def checkpoint_tensors(ckpt_dir: Path, tmp: Path) -> dict[str, torch.Tensor]:
     """Every tensor of a DCP checkpoint (model and optimizer), by flattened key."""
-    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
-
-    out = tmp / "full.pt"
-    dcp_to_torch_save(ckpt_dir, out)
-    state = torch.load(out, weights_only=False)["state"]
+    state = checkpoint_state(ckpt_dir, tmp)
     flat = {f"model.{k}": v for k, v in state["model"].items()}
     flat.update({f"optim.{k}": v for k, v in state["optim"].items() if torch.is_tensor(v)})
     return flat
