@@ -25,13 +25,21 @@ import socket
 import statistics
 import sys
 import time
+from datetime import timedelta
 
 import numpy as np
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from parallel.job import ConfigError, JobConfig, ModelConfig, ParallelConfig, TrainConfig
+from parallel.job import (
+    ConfigError,
+    JobConfig,
+    ModelConfig,
+    ParallelConfig,
+    TrainConfig,
+    process_group_timeout,
+)
 from parallel.layout import Layout, predicted_bubble, resolve
 from parallel.mesh import build_mesh
 from trainer.data import SampleStream
@@ -92,7 +100,8 @@ def _rank_main(rank: int, p: int, port: int, steps: int, out: mp.Queue) -> None:
         for schedule, v, m in configs(p)[0]:
             cfg = job(p, schedule, v, m)
             layout = resolve(cfg, p)
-            trainer = Trainer(cfg, layout, build_mesh(layout, "cpu"), torch.device("cpu"), stream)
+            mesh = build_mesh(layout, "cpu", timedelta(seconds=process_group_timeout(cfg.fault)))
+            trainer = Trainer(cfg, layout, mesh, torch.device("cpu"), stream)
             results = [trainer.train_step() for _ in range(steps + 1)][1:]
             if rank == 0:
                 out.put((schedule, v, m, layout, results))

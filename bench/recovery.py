@@ -93,7 +93,7 @@ class Result:
 
 def _env() -> dict[str, str]:
     return {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1",
-            "PYTHONUNBUFFERED": "1", "ULTRA_PG_TIMEOUT": "60"}
+            "PYTHONUNBUFFERED": "1"}
 
 
 def write_job(work: Path) -> Path:
@@ -189,11 +189,11 @@ def _wait(predicate, timeout: float, what: str, interval: float = 0.05):
 def run_ultrad(work: Path, job: Path, kill_step: int, run: int) -> Result:
     import grpc
 
-    from daemon.local import LocalCluster, _call
+    from daemon.cli.local import LocalCluster, _call
     from proto.ultrascale.v1 import agent_pb2 as pb
 
     res = Result("ultrad", run)
-    os.environ.update({"OMP_NUM_THREADS": "1", "ULTRA_PG_TIMEOUT": "60"})
+    os.environ.update({"OMP_NUM_THREADS": "1"})
     cluster = LocalCluster(work / "state", 3, 1, ttl=TTL)
     output = work / "output"
     steps_path = output / "steps.jsonl"

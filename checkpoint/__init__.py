@@ -1,1 +1,1 @@
-"""Training state: DCP checkpoints, their manifests and retention (ARCHITECTURE.md, "State")."""
+"""Training state: DCP checkpoints, their manifests and retention (docs/architecture.md, "State")."""

@@ -12,6 +12,7 @@ import sys
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -28,21 +29,28 @@ def _stderr(msg: str) -> None:
 
 class CheckpointManager:
     def __init__(
-        self, root: Path, keep: int, *, layout: dict[str, Any], log: Callable[[str], None] = _stderr
+        self,
+        root: Path,
+        keep: int,
+        *,
+        layout: dict[str, Any],
+        timeout: timedelta,
+        log: Callable[[str], None] = _stderr,
     ) -> None:
         self.root = root
         self.keep = keep
         self.layout = layout
         self.log = log
         self.rank = dist.get_rank()
-        self.group = dist.new_group(backend="gloo")
+        # new_group would otherwise use torch's 30-minute default, not the default group's.
+        self.group = dist.new_group(backend="gloo", timeout=timeout)
         self._pending: Future | None = None
         self._committed = threading.Event()
         self._committed.set()
         self._error: str | None = None
-        # Rank 0 only: the newest checkpoint whose manifest this process wrote.
-        self.committed_step = 0
-        self.committed_path: Path | None = None
+        # Rank 0 only: (step, path) of every checkpoint whose manifest this process wrote, in
+        # order; appended from DCP's thread (one append, so readers never see half an entry).
+        self.commits: list[tuple[int, Path]] = []
 
     def save_async(self, state: TrainState) -> None:
         """Stage the state to host memory now and write it in the background."""
@@ -60,7 +68,7 @@ class CheckpointManager:
         try:
             future.result()
             write_manifest(path, step=step, consumed_samples=consumed, layout=self.layout)
-            self.committed_step, self.committed_path = step, path
+            self.commits.append((step, path))
             apply_retention(self.root, self.keep)
         except Exception as exc:  # reported, never raised into DCP's executor thread
             self._error = f"checkpoint {path.name} failed: {exc}"

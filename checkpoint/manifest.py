@@ -3,7 +3,7 @@
 A checkpoint is `<root>/step_<8-digit step>/`: the files DCP wrote plus `manifest.json`, written
 last and atomically. The manifest lists every file with its size and sha256, so a truncated shard,
 a flipped byte or a half-written directory is caught here, with the file named, instead of deep
-inside a DCP load. A directory without a valid manifest is not a checkpoint (ARCHITECTURE.md,
+inside a DCP load. A directory without a valid manifest is not a checkpoint (docs/architecture.md,
 "State").
 
 Pure file I/O, no torch: the agent and command-line tools verify checkpoints without it.

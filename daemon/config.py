@@ -36,6 +36,9 @@ class AgentConfig:
     advertise_host: str = ""      # host peers and workers use; default: the listen host
     workers: bool = True          # False: control plane only (tests), no worker processes
     worker_module: str = "trainer.worker"
+    # How long workers keep training while etcd is unreachable for every agent (an outage in
+    # which nobody can change membership); after that the agent fences itself.
+    etcd_outage_s: float = 60.0
 
     @property
     def debounce_s(self) -> float:

@@ -16,7 +16,7 @@ import sys
 import time
 from pathlib import Path
 
-from daemon.local import LocalCluster, _call
+from daemon.cli.local import LocalCluster, _call
 from parallel.job import load
 from proto.ultrascale.v1 import agent_pb2 as pb
 

@@ -1,6 +1,6 @@
 """Token-summed cross-entropy.
 
-The trainer divides by the global token count of the step itself (ARCHITECTURE.md, the
+The trainer divides by the global token count of the step itself (docs/architecture.md, the
 promise (c)), so losses here are sums, never means: a mean per rank or per micro-batch would
 weight tokens differently depending on how the batch was split.
 """

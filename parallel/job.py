@@ -99,6 +99,30 @@ class CheckpointConfig:
 
 
 @dataclass(frozen=True)
+class FaultConfig:
+    """How failures are detected and retried; every duration is in seconds.
+
+    The agent's watchdog applies the deadlines (a rank is hung when it misses the one of its
+    phase); `process_group_timeout` derives the workers' collective timeout from them.
+    """
+
+    # No completed step for max(hang_floor_s, hang_step_factor x median recent step time):
+    # the floor keeps short steps from being called hung over a scheduling hiccup.
+    hang_floor_s: float = 10.0
+    hang_step_factor: float = 5.0
+    join_timeout_s: float = 60.0  # rendezvous + process-group init of one generation
+    restore_timeout_s: float = 120.0  # build the model + restore the checkpoint
+    first_step_timeout_s: float = 120.0  # the first step after a restore (warm-up, compile)
+    # A worker whose heartbeat thread is silent this long is hung: stopped, or stuck holding
+    # the interpreter lock.
+    heartbeat_timeout_s: float = 5.0
+    max_failures: int = 3  # the same cause this many times in a row ends the retries
+    # Delay before re-forming after a repeated failure: backoff_s, doubled each time, capped.
+    backoff_s: float = 1.0
+    backoff_max_s: float = 30.0
+
+
+@dataclass(frozen=True)
 class JobMeta:
     name: str = "job"
     output_dir: str = ""
@@ -112,6 +136,7 @@ class JobConfig:
     train: TrainConfig = field(default_factory=TrainConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    fault: FaultConfig = field(default_factory=FaultConfig)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -244,6 +269,40 @@ def validate(cfg: JobConfig) -> None:
     _positive("checkpoint.keep", c.keep)
     if c.every and not c.dir:
         raise ConfigError("checkpoint.dir must be set when checkpoint.every > 0")
+    _validate_fault(cfg.fault)
+
+
+def _validate_fault(f: FaultConfig) -> None:
+    for spec in dataclasses.fields(f):
+        value = getattr(f, spec.name)
+        if spec.name == "max_failures":
+            _positive(f"fault.{spec.name}", value)
+        elif not value > 0:
+            raise ConfigError(f"fault.{spec.name} must be > 0 (got {value})")
+    if f.backoff_max_s < f.backoff_s:
+        raise ConfigError(
+            f"fault.backoff_max_s must be >= fault.backoff_s (got {f.backoff_max_s}, {f.backoff_s})"
+        )
+
+
+def process_group_timeout(fault: FaultConfig) -> float:
+    """Seconds any single collective or rendezvous wait may take before it raises.
+
+    The agent's watchdog is the primary detector: it knows each rank's phase and applies the
+    matching deadline, usually far sooner. This bound is the backstop for what the watchdog
+    cannot end by itself (a worker whose agent is gone or hung, a peer that never answers),
+    replacing torch's 30-minute default. It must not fire before the watchdog on a healthy but
+    slow wait: the longest legitimate wait in a collective is another rank still inside a phase
+    the watchdog allows (joining, restoring, a first step, an ordinary step), so the bound is the
+    largest of those deadlines. A step, or a checkpoint write that ranks wait on together,
+    longer than this bound would be cut short by it: such a job must raise first_step_timeout_s.
+    """
+    return max(
+        fault.join_timeout_s,
+        fault.restore_timeout_s,
+        fault.first_step_timeout_s,
+        fault.hang_floor_s,
+    )
 
 
 def from_dict(raw: Mapping[str, Any]) -> JobConfig:

@@ -1,7 +1,7 @@
 """The layout of one generation: how a job is spread over a world of devices.
 
 Pure: the agent resolves layouts without torch. `Layout` is what a generation plan carries
-(ARCHITECTURE.md, "A generation plan"); `resolve` fills `dp` and `grad_accum` for a world size.
+(docs/architecture.md, "The plan"); `resolve` fills `dp` and `grad_accum` for a world size.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Apply a layout to a single-device model, in one fixed order.
 
-Order (ARCHITECTURE.md, Workers): TP/SP -> PP split -> recompute -> ZeRO/FSDP2 -> materialise.
+Order (docs/architecture.md, "Workers"): TP/SP -> PP split -> recompute -> ZeRO/FSDP2 -> materialise.
 Each technique lives in its own module; this file only sequences them.
 """
 

@@ -23,7 +23,7 @@ schedule splits them back (`tensor_split` along the batch, in order), so micro-b
 data stream's micro-batch m and the step's sample set is unchanged. The loss of a micro-batch
 is its token-summed cross-entropy over the global token count of the step, and the schedule is
 built with `scale_grads=False`: its default divides gradients by n_microbatches, which is right
-for per-micro-batch *mean* losses and wrong for ours (ARCHITECTURE.md, promise (c)).
+for per-micro-batch *mean* losses and wrong for ours (docs/architecture.md, "The promise" (c)).
 
 Bubble: every stage action (forward, loss, full / input / weight backward, gradient reduction)
 is timed; `1 - busy / step_time` per pp rank is the measured idle fraction. The playbook gives

@@ -2,7 +2,7 @@
 
 Pure (no torch, no I/O) so the agent can call it on every membership change. The plan is what
 the leader writes to etcd's `generation` key and what every worker reads to join the mesh
-(ARCHITECTURE.md, "A generation plan"). For now dp = usable devices and tp/pp/cp are fixed by
+(docs/architecture.md, "The plan"). For now dp = usable devices and tp/pp/cp are fixed by
 the job (`parallel.layout.resolve`); a later issue grows the search and the predictions.
 """
 
@@ -44,6 +44,9 @@ class RankInfo:
 class StoreAddress:
     host: str
     port: int
+    # Key prefix of the generation in the store: unique per written plan, so a rendezvous can
+    # never meet keys of another run, even if a generation number is reused (etcd restored).
+    prefix: str = ""
 
 
 @dataclass(frozen=True)
@@ -116,7 +119,8 @@ class Plan:
             "layout": self.layout.to_dict(),
             "ranks": [{"node": r.node, "local_rank": r.local_rank, "global_rank": r.global_rank}
                       for r in self.ranks],
-            "store": {"host": self.store.host, "port": self.store.port},
+            "store": {"host": self.store.host, "port": self.store.port,
+                      "prefix": self.store.prefix},
             "restore": {"source": self.restore.source, "step": self.restore.step,
                         "locations": list(self.restore.locations)},
             "predicted": {
@@ -143,7 +147,8 @@ class Plan:
                 layout=Layout.from_dict(dict(raw["layout"])),
                 ranks=tuple(RankInfo(str(r["node"]), int(r["local_rank"]), int(r["global_rank"]))
                             for r in raw["ranks"]),
-                store=StoreAddress(str(raw["store"]["host"]), int(raw["store"]["port"])),
+                store=StoreAddress(str(raw["store"]["host"]), int(raw["store"]["port"]),
+                                   str(raw["store"].get("prefix", ""))),
                 restore=Restore.from_dict(raw.get("restore", {})),
                 predicted=Predicted(
                     memory_bytes=MemoryBytes(**pred.get("memory_bytes", {})),

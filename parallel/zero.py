@@ -23,7 +23,7 @@ Collectives per step (Ψ elements each):
 
 Gradients are reduced as sums, not averages (FSDP2 divide factor 1): the trainer already divides
 every token loss by the global token count of the step, so averaging over ranks would scale
-gradients by 1/dp and break dp-independence (ARCHITECTURE.md, promise (c)).
+gradients by 1/dp and break dp-independence (docs/architecture.md, "The promise" (c)).
 
 ZeRO-1 keeps its Adam moments as DTensors sharded over dp (and over tp like their parameter), on
 the same global shapes as the parameters. `get_state_dict` therefore presents ZeRO-1 optimizer

@@ -80,7 +80,6 @@ def worker_env() -> dict[str, str]:
     env.update(
         {
             "OMP_NUM_THREADS": "1",
-            "ULTRA_PG_TIMEOUT": "120",
             "PYTHONPATH": str(REPO),
             "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
         }

@@ -9,10 +9,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
-from datetime import timedelta
 from pathlib import Path
 
 from parallel.job import ConfigError, JobConfig, load
@@ -44,19 +42,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="override a config key, e.g. --set parallel.zero=2 (repeatable)",
     )
     ap.add_argument("--log-format", choices=("json", "text"), default="text")
-    ap.add_argument(
-        "--pg-timeout",
-        type=float,
-        default=float(os.environ.get("ULTRA_PG_TIMEOUT", 300)),
-        help="process-group timeout in seconds (env ULTRA_PG_TIMEOUT)",
-    )
     return ap.parse_args(argv)
 
 
 def load_config(args: argparse.Namespace) -> JobConfig:
     overrides = list(args.overrides)
     if args.checkpoint_dir is not None:
-        overrides.append(f"checkpoint.dir={json.dumps(str(args.checkpoint_dir))}")
+        # A path typed on the command line means the working directory's, not job.output_dir's.
+        overrides.append(f"checkpoint.dir={json.dumps(str(args.checkpoint_dir.absolute()))}")
     if args.checkpoint_every is not None:
         overrides.append(f"checkpoint.every={args.checkpoint_every}")
     cfg = load(args.config, overrides)
@@ -125,7 +118,6 @@ def main(argv: list[str] | None = None) -> int:
             stop_at=args.steps or cfg.train.steps,
             resume=args.resume,
             printer=ProgressPrinter(args.log_format, args.steps or cfg.train.steps),
-            pg_timeout=timedelta(seconds=args.pg_timeout),
         )
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)

@@ -5,7 +5,7 @@ windows of seq_len+1 tokens, e = i div n, perm_e a permutation seeded by (seed, 
 (0-based) consumes samples [s*G, (s+1)*G), G the job's global batch: the stream and the
 sample-to-step map do not depend on the world size.
 
-Split of a step (ARCHITECTURE.md, the promise (b)): the G samples fill `dp x grad_accum x
+Split of a step (docs/architecture.md, "The promise" (b)): the G samples fill `dp x grad_accum x
 micro_batch` slots. Slot k holds sample s*G + k; slots k >= G are zero-weight padding (all
 targets ignored) so that every rank runs the same number of equally shaped micro-batches and
 so issues the same collectives. Micro-batch m of dp rank r holds slots

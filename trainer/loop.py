@@ -1,6 +1,6 @@
 """The step loop: one optimizer step over the step's global batch.
 
-Loss normalisation (ARCHITECTURE.md, promise (c)): every micro-batch's token-summed loss is
+Loss normalisation (docs/architecture.md, "The promise" (c)): every micro-batch's token-summed loss is
 divided by the global token count of the step, and FSDP sums gradients over data-parallel
 ranks. The gradient is then that of the mean token loss over the whole global batch, whatever
 dp, micro_batch and the padding are, so any layout follows the same trajectory.

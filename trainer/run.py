@@ -5,30 +5,18 @@ from __future__ import annotations
 import os
 import sys
 from datetime import timedelta
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-from checkpoint.durable import CheckpointManager
-from parallel.job import JobConfig
+from parallel.job import JobConfig, process_group_timeout
 from parallel.layout import resolve
 from parallel.mesh import build_mesh
-from trainer.loop import Trainer
+from trainer.driver import GenerationDriver, output_dir, select_device
 
 
 def _log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
-
-
-def select_device(local_rank: int) -> tuple[torch.device, str, str]:
-    """(device, process-group backend, mesh device type) for this local rank."""
-    if torch.cuda.is_available():
-        device = torch.device("cuda", local_rank)
-        torch.cuda.set_device(device)
-        # gloo for the CPU side too: async checkpoint uploads collect on CPU.
-        return device, "cpu:gloo,cuda:nccl", "cuda"
-    return torch.device("cpu"), "gloo", "cpu"
 
 
 def init_distributed(timeout: timedelta) -> tuple[torch.device, str]:
@@ -46,38 +34,41 @@ def init_distributed(timeout: timedelta) -> tuple[torch.device, str]:
     return device, device_type
 
 
-def run(cfg: JobConfig, *, stop_at: int, resume: bool, printer, pg_timeout: timedelta) -> int:
-    device, device_type = init_distributed(pg_timeout)
+def run(cfg: JobConfig, *, stop_at: int, resume: bool, printer) -> int:
+    timeout = timedelta(seconds=process_group_timeout(cfg.fault))
+    device, device_type = init_distributed(timeout)
     try:
         rank = dist.get_rank()
         layout = resolve(cfg, dist.get_world_size())
-        mesh = build_mesh(layout, device_type)
-        trainer = Trainer(cfg, layout, mesh, device)
-        ckpt = None
-        if cfg.checkpoint.dir:
-            ckpt = CheckpointManager(
-                Path(cfg.checkpoint.dir).expanduser(), cfg.checkpoint.keep, layout=layout.to_dict()
-            )
+        driver = GenerationDriver(
+            cfg,
+            layout,
+            build_mesh(layout, device_type, timeout),
+            device,
+            timeout=timeout,
+            last_step=stop_at,
+            step_log=output_dir(cfg),
+        )
         if resume:
-            loaded = ckpt.load_latest(trainer.state) if ckpt else None
+            loaded = driver.restore()
             if rank == 0:
                 if loaded is None:
                     _log("resume: no valid checkpoint found; starting from step 0")
                 else:
                     _log(
-                        f"resume: loaded {loaded} (step {trainer.progress.step}, "
-                        f"consumed_samples {trainer.progress.consumed_samples}) on dp={layout.dp}"
+                        f"resume: loaded {loaded} (step {driver.step}, "
+                        f"consumed_samples {driver.consumed_samples}) on dp={layout.dp}"
                     )
         if rank == 0:
             _log(f"layout: {layout.to_dict()}")
-        while trainer.progress.step < stop_at:
-            result = trainer.train_step()
+        while driver.step < stop_at:
+            result = driver.train_step()
+            driver.commit(result)
             if rank == 0:
                 printer.step(result, layout.dp)
-            if ckpt and cfg.checkpoint.every and result.step % cfg.checkpoint.every == 0:
-                ckpt.save_async(trainer.state)
-        if ckpt:
-            ckpt.wait()
+            if driver.checkpoint_due(result.step):
+                driver.save()
+        driver.wait()
         return 0
     finally:
         dist.destroy_process_group()

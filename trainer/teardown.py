@@ -4,8 +4,8 @@ After `destroy_process_group` and dropping the model, optimizer and mesh, the ol
 (and with it gloo threads and sockets) stays reachable through process-wide caches in
 torch.distributed: DTensor's sharding-propagation caches (Python and the C++ fast path), the
 `functools` caches of redistribute planning and mesh topology, and others. Measured on this
-machine (shared/notes/inprocess-reformation.md): clearing only some of them does not free the
-mesh; clearing every cache under torch.distributed does. This depends on torch internals, so it
+machine: clearing only some of them does not free the mesh; clearing every cache under
+torch.distributed does. This depends on torch internals, so it
 lives in this one function and a test checks threads, fds and sockets return to baseline.
 """
 

@@ -1,21 +1,31 @@
 """The persistent worker an ultrad agent runs: one process per device, many generations.
 
-`python -m trainer.worker` (started by the agent's supervisor, never by hand) loops:
-ask the agent for the next generation, join its process group through the agent-hosted
-TCPStore, rebuild the layout on the new mesh, restore the newest valid checkpoint, train until
-told to stop or until the job is done, leave the process group, and ask again. A healthy
-survivor of a failure therefore pays neither a process start nor a torch import on recovery.
-The contract with the agent is in daemon/worker_service.py.
+`python -m trainer.worker` (started by the agent's supervisor, never by hand) loops: ask the
+agent for the next generation, join its process group through the agent-hosted TCPStore,
+rebuild the layout on the new mesh, restore the newest valid checkpoint, train until told to
+stop or until the job is done, leave the process group, and ask again. A healthy survivor of a
+failure therefore pays neither a process start nor a torch import on recovery. The contract
+with the agent is the WorkerControl service in proto/ultrascale/v1/agent.proto.
 
-Stop decisions are agreed on by all ranks (one small all-reduce per step): agents learn of a
-new generation at slightly different times, and a rank that leaves while the others run the
-next step's collectives would turn a planned change into a timeout.
+- After every step all ranks agree on the agent's replies (trainer.agreement).
+- A heartbeat thread reports the phase (idle, join, restore, step, checkpoint) every second.
+- Every call to the agent has a deadline; an agent that misses one ends the generation like a
+  failed collective: this rank leaves the world (its peers' collectives fail at once instead
+  of waiting for it) and asks for a generation again, backing off while the agent is silent.
+- A failure is reported with its kind: "peer" (a collective, the rendezvous or the agent
+  failed) or "local" (this rank's own error), see trainer.failure_kind.
+
+Testing aid: `ULTRA_FAULT_FAIL_AT_STEP=N` [`ULTRA_FAULT_FAIL_NODES=node-1,...`] makes the
+worker raise a local `RuntimeError("injected fault at step N")` right after completing step N,
+each time it gets there (trainer.fault_injection).
+
+Environment (set by the agent): ULTRA_AGENT_SOCKET, ULTRA_LOCAL_RANK, ULTRA_NODE_ID,
+ULTRA_AGENT_PID, ULTRA_WORKER_THREADS.
 """
 
 from __future__ import annotations
 
 import ctypes
-import json
 import os
 import signal
 import sys
@@ -24,20 +34,21 @@ from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 
-import grpc
 import torch
 import torch.distributed as dist
 
-from checkpoint.durable import CheckpointManager
+from parallel.job import FaultConfig, process_group_timeout
 from parallel.mesh import build_mesh
 from parallel.planner import Plan
 from proto.ultrascale.v1 import agent_pb2 as pb
-from proto.ultrascale.v1 import agent_pb2_grpc as pb_grpc
-from trainer.loop import StepResult, Trainer
-from trainer.run import select_device
+from trainer.agent_link import AgentLink, AgentUnreachable
+from trainer.agreement import agree, decide
+from trainer.driver import GenerationDriver, output_dir, select_device
+from trainer.failure_kind import classify_failure
+from trainer.fault_injection import FaultInjection
+from trainer.heartbeat import Heartbeat
 from trainer.teardown import leave_world
 
-NO_STOP = 2**62
 PR_SET_PDEATHSIG = 1
 
 
@@ -51,85 +62,17 @@ def _log(msg: str) -> None:
 
 @dataclass(frozen=True)
 class Outcome:
-    kind: str  # "done" | "stopped" | "failed"
-    step: int
+    kind: str  # "done" | "stopped" (planned) | "left" (stop_now) | "failed"
+    step: int  # steps completed
     message: str = ""
-
-
-class AgentLink:
-    """The worker's side of the WorkerControl service on the agent's unix socket."""
-
-    def __init__(self, socket_path: str, local_rank: int) -> None:
-        self.channel = grpc.insecure_channel(f"unix:{socket_path}")
-        self.stub = pb_grpc.WorkerControlStub(self.channel)
-        self.local_rank = local_rank
-
-    def next_generation(self, after: int) -> pb.GenerationPlan:
-        while True:
-            reply = self.stub.GetGeneration(
-                pb.GenerationRequest(
-                    after_generation=after, local_rank=self.local_rank, wait_seconds=30
-                )
-            )
-            if reply.exit or reply.changed:
-                return reply
-
-    def report_step(self, gp: pb.GenerationPlan, r: StepResult, dp: int) -> pb.StepReply:
-        report = pb.StepReport(
-            generation=gp.generation,
-            global_rank=gp.global_rank,
-            local_rank=self.local_rank,
-            step=r.step,
-            loss=r.loss,
-            tokens=r.tokens,
-            consumed_samples=r.consumed_samples,
-            step_seconds=r.step_seconds,
-            world_size=gp.world_size,
-            dp=dp,
-            recompute_seconds=r.recompute_seconds,
-            recompute_ratio=r.recompute_ratio,
-        )
-        if r.bubble_ratio_measured is not None:  # pipeline parallelism only
-            report.bubble_ratio = r.bubble_ratio_measured
-        return self.stub.ReportStep(report)
-
-    def report_failure(self, gp: pb.GenerationPlan, message: str) -> None:
-        self.stub.ReportFailure(
-            pb.FailureReport(
-                generation=gp.generation,
-                global_rank=gp.global_rank,
-                local_rank=self.local_rank,
-                message=message,
-            )
-        )
-
-    def report_checkpoint(self, gp: pb.GenerationPlan, step: int, path: str) -> None:
-        self.stub.ReportCheckpoint(
-            pb.CheckpointReport(
-                generation=gp.generation,
-                global_rank=gp.global_rank,
-                local_rank=self.local_rank,
-                step=step,
-                path=path,
-            )
-        )
-
-    def report_done(self, gp: pb.GenerationPlan, step: int) -> None:
-        self.stub.ReportDone(
-            pb.DoneReport(
-                generation=gp.generation,
-                global_rank=gp.global_rank,
-                local_rank=self.local_rank,
-                step=step,
-            )
-        )
+    failure_kind: str = ""  # "peer" | "local" when failed
 
 
 def die_with_agent() -> None:
     """SIGKILL this process when the agent that spawned it dies (Linux PR_SET_PDEATHSIG).
 
     Armed here rather than in a preexec_fn, which would make the agent fork() (see
-    daemon/supervisor.py). If the agent died before this ran, exit now.
+    daemon/node/supervisor.py). If the agent died before this ran, exit now.
     """
     agent_pid = int(os.environ.get("ULTRA_AGENT_PID", "0"))
     if sys.platform.startswith("linux"):
@@ -138,146 +81,158 @@ def die_with_agent() -> None:
         raise SystemExit("the agent that started this worker is gone")
 
 
+def store_prefix(gp: pb.GenerationPlan) -> str:
+    return gp.store_prefix or f"generation/{gp.generation}"
+
+
 def join_world(gp: pb.GenerationPlan, backend: str, timeout: timedelta) -> None:
-    """Join generation gp through the agent-hosted store, under a per-generation prefix."""
+    """Join generation gp through the agent-hosted store, under the plan's key prefix."""
     store = dist.TCPStore(gp.store_host, gp.store_port, is_master=False, timeout=timeout)
     dist.init_process_group(
         backend,
-        store=dist.PrefixStore(f"generation/{gp.generation}", store),
+        store=dist.PrefixStore(store_prefix(gp), store),
         rank=gp.global_rank,
         world_size=gp.world_size,
         timeout=timeout,
     )
 
 
-def agree(reply: pb.StepReply, step: int) -> tuple[bool, bool]:
-    """(stop, checkpoint) as agreed by every rank of the generation."""
-    stop_at = reply.stop_after_step if reply.stop_after_step >= 0 else NO_STOP
-    flags = torch.tensor(
-        [-stop_at, int(reply.stop_now), int(reply.checkpoint_now)], dtype=torch.float64
-    )
-    dist.all_reduce(flags, op=dist.ReduceOp.MAX)
-    earliest_stop, stop_now, checkpoint = -int(flags[0].item()), bool(flags[1]), bool(flags[2])
-    planned_stop = step >= earliest_stop
-    # A planned change (join, drain) leaves after a durable checkpoint, so no step is lost;
-    # stop_now (another failure, a newer generation) leaves at once.
-    return planned_stop or stop_now, checkpoint or (planned_stop and not stop_now)
+class Generation:
+    """This rank's part in one generation. Holds no reference to the world once `run` returns."""
 
+    def __init__(
+        self, link: AgentLink, beat: Heartbeat, gp: pb.GenerationPlan, faults: FaultInjection | None
+    ) -> None:
+        self.link, self.beat, self.gp, self.faults = link, beat, gp, faults
+        self.step = 0  # steps completed, for a failure report
 
-class StepLog:
-    """steps.jsonl in the job's output directory, appended by global rank 0 only."""
-
-    def __init__(self, output_dir: Path) -> None:
-        output_dir.mkdir(parents=True, exist_ok=True)
-        self.path = output_dir / "steps.jsonl"
-
-    def append(self, r: StepResult, generation: int, world_size: int, dp: int) -> None:
-        line = json.dumps(
-            {
-                "step": r.step,
-                "loss": r.loss,
-                "consumed_samples": r.consumed_samples,
-                "generation": generation,
-                "world_size": world_size,
-                "dp": dp,
-                "step_seconds": round(r.step_seconds, 6),
-                "time": time.time(),
-            }
-        )
-        with self.path.open("a") as f:
-            f.write(line + "\n")
-
-
-def train_generation(link: AgentLink, gp: pb.GenerationPlan, timeout: timedelta) -> Outcome:
-    plan = Plan.from_json(gp.plan_json)
-    job, layout = plan.job, plan.layout
-    device, backend, device_type = select_device(link.local_rank)
-    join_world(gp, backend, timeout)
-    trainer = Trainer(job, layout, build_mesh(layout, device_type), device)
-    rank0 = gp.global_rank == 0
-    ckpt = None
-    output_dir = Path(job.job.output_dir or ".").expanduser()
-    if job.checkpoint.dir:
-        # A relative checkpoint.dir lives under the job's output directory.
-        ckpt = CheckpointManager(
-            output_dir / Path(job.checkpoint.dir).expanduser(),
-            job.checkpoint.keep,
-            layout=layout.to_dict(),
+    def run(self) -> Outcome:
+        gp = self.gp
+        plan = Plan.from_json(gp.plan_json)
+        job, layout = plan.job, plan.layout
+        self.link.use(job.fault)
+        timeout = timedelta(seconds=process_group_timeout(job.fault))
+        self.beat.update(gp.generation, "join", 0)
+        device, backend, device_type = select_device(self.link.local_rank)
+        join_world(gp, backend, timeout)
+        mesh = build_mesh(layout, device_type, timeout)
+        self.beat.update(gp.generation, "restore", 0)
+        driver = GenerationDriver(
+            job,
+            layout,
+            mesh,
+            device,
+            timeout=timeout,
+            last_step=job.train.steps,
+            generation=gp.generation,
+            step_log=output_dir(job) or Path("."),
             log=_log,
         )
-        loaded = ckpt.load_latest(trainer.state)
-        if rank0:
+        loaded = driver.restore()
+        self.step = driver.step
+        if gp.global_rank == 0:
+            restored = f"{loaded.name} (step {driver.step})" if loaded else "nothing: step 0"
             _log(
-                f"generation {gp.generation}: world {gp.world_size}, layout dp={layout.dp}; restored "
-                + (
-                    f"{loaded.name} (step {trainer.progress.step})"
-                    if loaded
-                    else "nothing: starting at step 0"
-                )
+                f"generation {gp.generation}: world {gp.world_size}, layout dp={layout.dp}; "
+                f"restored {restored}"
             )
-    steps = StepLog(output_dir) if rank0 else None
-    reported_ckpt = ckpt.committed_step if ckpt else 0
-    while trainer.progress.step < job.train.steps:
-        result = trainer.train_step()
-        if steps:
-            steps.append(result, gp.generation, gp.world_size, layout.dp)
-        stop, checkpoint = agree(link.report_step(gp, result, layout.dp), result.step)
-        periodic = (
-            ckpt is not None and job.checkpoint.every and result.step % job.checkpoint.every == 0
-        )
-        if ckpt and (checkpoint or periodic or result.step == job.train.steps):
-            ckpt.save_async(trainer.state)
-            if checkpoint or stop:
-                ckpt.wait()
-        if ckpt and rank0 and ckpt.committed_step > reported_ckpt:
-            reported_ckpt = ckpt.committed_step
-            link.report_checkpoint(gp, reported_ckpt, str(ckpt.committed_path))
-        if stop:
-            return Outcome("stopped", result.step)
-    if ckpt:
-        ckpt.wait()
-        if rank0 and ckpt.committed_step > reported_ckpt:
-            link.report_checkpoint(gp, ckpt.committed_step, str(ckpt.committed_path))
-    link.report_done(gp, trainer.progress.step)
-    return Outcome("done", trainer.progress.step)
+        return self._train(driver)
+
+    def _train(self, driver: GenerationDriver) -> Outcome:
+        gp, beat, link = self.gp, self.beat, self.link
+        checkpoint_seq_done = 0  # checkpoint requests are counted per generation
+        while driver.step < driver.last_step:
+            beat.update(gp.generation, "step", driver.step)
+            result = driver.train_step()
+            self.step = result.step
+            beat.update(gp.generation, "step", result.step)
+            if self.faults is not None:
+                self.faults.check(result.step)
+            agreed = agree(link.report_step(gp, result, driver.layout.dp))
+            action = decide(agreed, checkpoint_seq_done)
+            if action.leave_now:
+                return Outcome("left", result.step)
+            driver.commit(result)
+            if action.stop:
+                break
+            if action.checkpoint:
+                checkpoint_seq_done = agreed.checkpoint_seq
+            if result.step < driver.last_step and (
+                action.checkpoint or driver.checkpoint_due(result.step)
+            ):
+                beat.phase("checkpoint")  # staging, and waiting for the previous save
+                driver.save()
+                beat.phase("step")
+            self._report_commits(driver)
+        finished = driver.step >= driver.last_step
+        beat.phase("checkpoint")
+        driver.save_durably()
+        self._report_commits(driver)
+        link.report_done(gp, driver.step, driver.consumed_samples, stopped=not finished)
+        return Outcome("done" if finished else "stopped", driver.step)
+
+    def _report_commits(self, driver: GenerationDriver) -> None:
+        for step, path in driver.new_commits():  # rank 0 only
+            self.link.report_checkpoint(self.gp, step, str(path))
 
 
-def run_one(link: AgentLink, gp: pb.GenerationPlan, timeout: timedelta) -> Outcome:
+def run_one(
+    link: AgentLink, beat: Heartbeat, gp: pb.GenerationPlan, faults: FaultInjection | None
+) -> Outcome:
+    generation = Generation(link, beat, gp, faults)
     try:
-        outcome = train_generation(link, gp, timeout)
+        outcome = generation.run()
     except Exception as exc:  # noqa: BLE001 - any error ends this rank's generation
         # Keep only the text: the exception's traceback pins the model and the old group.
-        outcome = Outcome("failed", -1, f"{type(exc).__name__}: {exc}"[:2000])
-    if outcome.kind == "failed":
-        _log(
-            f"generation {gp.generation} failed: {outcome.message.splitlines()[0] if outcome.message else ''}"
-        )
-        try:
-            link.report_failure(gp, outcome.message)
-        except grpc.RpcError as rpc:
-            _log(f"could not report the failure to the agent: {rpc.code().name}")
-    # train_generation's frame is gone: nothing references the model or the mesh any more.
+        text = f"{type(exc).__name__}: {exc}"[:2000]
+        outcome = Outcome("failed", generation.step, text, classify_failure(text))
+    # Generation.run's frame is gone: nothing references the model or the mesh any more.
+    # Leave before reporting, so peers blocked on this rank fail now, not at their timeout.
     leave_world()
+    beat.update(0, "idle", 0)
+    if outcome.kind == "failed":
+        first_line = outcome.message.splitlines()[0] if outcome.message else ""
+        _log(f"generation {gp.generation} failed ({outcome.failure_kind}): {first_line}")
+        try:
+            link.report_failure(gp, outcome.message, outcome.failure_kind, outcome.step)
+        except AgentUnreachable as exc:
+            _log(f"could not report the failure: {exc}")
     return outcome
+
+
+def next_backoff(previous: float | None, fault: FaultConfig) -> float:
+    """backoff_s, then doubled on each consecutive miss, capped at backoff_max_s."""
+    return fault.backoff_s if previous is None else min(2 * previous, fault.backoff_max_s)
 
 
 def main() -> int:
     die_with_agent()
-    socket_path = os.environ["ULTRA_AGENT_SOCKET"]
     local_rank = int(os.environ.get("ULTRA_LOCAL_RANK", "0"))
-    timeout = timedelta(seconds=float(os.environ.get("ULTRA_PG_TIMEOUT", "60")))
     torch.set_num_threads(int(os.environ.get("ULTRA_WORKER_THREADS", "1")))
-    link = AgentLink(socket_path, local_rank)
-    generation = 0
+    link = AgentLink(os.environ["ULTRA_AGENT_SOCKET"], local_rank)
+    beat = Heartbeat(link.heartbeat, _log).start()
+    faults = FaultInjection.from_env(os.environ)
+    fault = FaultConfig()  # the last joined job's, once there is one
+    generation, delay = 0, None
     while True:
-        gp = link.next_generation(generation)
+        try:
+            gp = link.next_generation(generation)
+        except AgentUnreachable as exc:
+            delay = next_backoff(delay, fault)
+            _log(f"{exc}; asking again in {delay:.1f}s")
+            time.sleep(delay)
+            continue
+        delay = None
         if gp.exit:
             _log("the agent says exit")
+            beat.stop()
+            link.close()
             return 0
         generation = gp.generation
         if gp.global_rank < 0:
             continue
-        outcome = run_one(link, gp, timeout)
+        outcome = run_one(link, beat, gp, faults)
+        fault = link.fault
         _log(f"generation {gp.generation} {outcome.kind} at step {outcome.step}")
 
 

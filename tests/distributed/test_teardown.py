@@ -57,10 +57,11 @@ def _worker(rank: int, job: str, ports: list[int], out: str) -> None:
             "gloo", store=store, rank=rank, world_size=2, timeout=timedelta(seconds=60)
         )
         layout = resolve(cfg, 2)
-        trainer = Trainer(cfg, layout, build_mesh(layout, "cpu"), torch.device("cpu"))
+        mesh = build_mesh(layout, "cpu", timedelta(seconds=60))
+        trainer = Trainer(cfg, layout, mesh, torch.device("cpu"))
         for _ in range(2):
             trainer.train_step()
-        del trainer, store
+        del trainer, mesh, store
         leave_world()
         counts.append(_resources())
     if rank == 0:

@@ -21,9 +21,9 @@ from typing import Any, TypeVar
 import grpc
 import pytest
 
-from daemon.auth import call_metadata
-from daemon.etcd_client import Etcd
-from daemon.etcd_server import EtcdServer
+from daemon.api.auth import call_metadata
+from daemon.control.etcd_client import Etcd
+from daemon.control.etcd_server import EtcdServer
 from daemon.procutil import parent_death_env, terminate
 from proto.ultrascale.v1 import agent_pb2 as pb
 from proto.ultrascale.v1 import agent_pb2_grpc as pb_grpc
@@ -87,7 +87,7 @@ class Cluster:
         state = self.root / node
         state.mkdir(parents=True, exist_ok=True)
         (state / "agent.json").unlink(missing_ok=True)
-        args = [sys.executable, "-m", "daemon.ultrad", "--etcd", self.etcd.endpoint,
+        args = [sys.executable, "-m", "daemon.cli.ultrad", "--etcd", self.etcd.endpoint,
                 "--node-id", node, "--devices", str(devices), "--listen", "127.0.0.1:0",
                 "--metrics-listen", "127.0.0.1:0", "--state-dir", str(state),
                 "--token-file", str(self.token_file), "--ttl", str(TTL), "--job", self.job_ns,
@@ -141,7 +141,7 @@ class Cluster:
         alive = [a for a in self.agents.values() if a.proc.poll() is None]
         agent = self.agents[node] if node else alive[0]
         return subprocess.run(
-            [sys.executable, "-m", "daemon.ultractl", "--endpoint", agent.address,
+            [sys.executable, "-m", "daemon.cli.ultractl", "--endpoint", agent.address,
              "--token-file", str(token_file or self.token_file), *args],
             capture_output=True, text=True, timeout=30, cwd=ROOT,
             env={**os.environ, "PYTHONPATH": str(ROOT), "XDG_CONFIG_HOME": str(self.root)},

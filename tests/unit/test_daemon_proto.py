@@ -24,5 +24,5 @@ def test_generated_modules_are_up_to_date(tmp_path: Path) -> None:
 def test_generated_modules_import_as_a_package() -> None:
     from proto.ultrascale.v1 import agent_pb2, agent_pb2_grpc
 
-    assert agent_pb2.StepReply(stop_after_step=-1).stop_after_step == -1
+    assert agent_pb2.StepReply(checkpoint_seq=2).checkpoint_seq == 2
     assert hasattr(agent_pb2_grpc, "AgentStub") and hasattr(agent_pb2_grpc, "WorkerControlStub")

@@ -9,12 +9,13 @@ from pathlib import Path
 
 import pytest
 
-from daemon.auth import AuthError, check_listen, load_or_create_token
-from daemon.ctlconfig import Context, ContextError, load_context, save_context
-from daemon.keys import Keys, NodeRecord
+from daemon.api.auth import AuthError, check_listen, load_or_create_token
+from daemon.cli.ctlconfig import Context, ContextError, load_context, save_context
+from daemon.cli.ultrad import UsageError, _parser, build_config, resolve_options
+from daemon.control.keys import Keys
+from daemon.control.records import NodeRecord
+from daemon.node.supervisor import Supervisor, WorkerExit
 from daemon.state import AgentState, StateMachine
-from daemon.supervisor import Supervisor, WorkerExit
-from daemon.ultrad import UsageError, _parser, build_config, resolve_options
 
 pytestmark = pytest.mark.unit
 

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from parallel.job import ConfigError, loads
+from parallel.job import ConfigError, FaultConfig, from_dict, load, loads, process_group_timeout
 from parallel.layout import resolve
 from tests.conftest import REPO, small_job_text
 
@@ -52,6 +52,18 @@ def test_defaults_and_overrides():
         (MINIMAL, ["parallel.bogus=1"], "parallel.bogus"),
         (MINIMAL, ["nosection.key=1"], "nosection.key"),
         (MINIMAL, ["novalue"], "key.path=value"),
+        (MINIMAL + "[fault]\nhang_floor_s = 0\n", [], "fault.hang_floor_s must be > 0"),
+        (MINIMAL + "[fault]\nhang_step_factor = -1\n", [], "fault.hang_step_factor"),
+        (MINIMAL + "[fault]\njoin_timeout_s = 0.0\n", [], "fault.join_timeout_s"),
+        (MINIMAL + "[fault]\nrestore_timeout_s = -5\n", [], "fault.restore_timeout_s"),
+        (MINIMAL + "[fault]\nfirst_step_timeout_s = 0\n", [], "fault.first_step_timeout_s"),
+        (MINIMAL + "[fault]\nheartbeat_timeout_s = 0\n", [], "fault.heartbeat_timeout_s"),
+        (MINIMAL + "[fault]\nmax_failures = 0\n", [], "fault.max_failures must be >= 1"),
+        (MINIMAL + "[fault]\nmax_failures = 2.5\n", [], "fault.max_failures must be int"),
+        (MINIMAL + "[fault]\nbackoff_s = 0\n", [], "fault.backoff_s"),
+        (MINIMAL + "[fault]\nbackoff_max_s = 0.5\n", [], "fault.backoff_max_s must be >="),
+        (MINIMAL + "[fault]\nheartbeat_timeout = 5\n", [], "fault.heartbeat_timeout"),
+        (MINIMAL, ["fault.join_timeout_s=-1"], "fault.join_timeout_s"),
         ("[data\n", [], "not valid TOML"),
     ],
 )
@@ -75,6 +87,44 @@ def test_layout_checks_against_the_world(world, parallel, field):
     with pytest.raises(ConfigError) as err:
         resolve(loads(body), world)
     assert field in str(err.value)
+
+
+def test_fault_defaults_apply_without_a_section():
+    cfg = load(REPO / "examples" / "tiny.toml")
+    assert cfg.fault == FaultConfig()
+    assert (cfg.fault.hang_floor_s, cfg.fault.hang_step_factor) == (10.0, 5.0)
+    assert (cfg.fault.join_timeout_s, cfg.fault.restore_timeout_s) == (60.0, 120.0)
+    assert (cfg.fault.first_step_timeout_s, cfg.fault.heartbeat_timeout_s) == (120.0, 5.0)
+    assert (cfg.fault.max_failures, cfg.fault.backoff_s, cfg.fault.backoff_max_s) == (3, 1.0, 30.0)
+
+
+def test_fault_section_parses_and_round_trips():
+    cfg = loads(MINIMAL + "[fault]\nhang_floor_s = 2\nmax_failures = 5\n", ["fault.backoff_s=0.25"])
+    assert cfg.fault.hang_floor_s == 2.0 and isinstance(cfg.fault.hang_floor_s, float)
+    assert cfg.fault.max_failures == 5 and cfg.fault.backoff_s == 0.25
+    assert from_dict(cfg.to_dict()) == cfg
+    assert from_dict(load(REPO / "examples" / "tiny.toml").to_dict()).fault == FaultConfig()
+
+
+@pytest.mark.parametrize(
+    ("fields", "expected"),
+    [
+        ({}, 120.0),  # restore and first step are the longest default deadlines
+        ({"join_timeout_s": 300.0}, 300.0),
+        ({"first_step_timeout_s": 400.0}, 400.0),
+        (
+            {
+                "join_timeout_s": 1.0,
+                "restore_timeout_s": 2.0,
+                "first_step_timeout_s": 3.0,
+                "hang_floor_s": 4.0,
+            },
+            4.0,
+        ),
+    ],
+)
+def test_process_group_timeout_is_the_longest_phase_deadline(fields, expected):
+    assert process_group_timeout(FaultConfig(**fields)) == expected
 
 
 def test_uneven_batch_resolves_with_padding():

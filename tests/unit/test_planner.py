@@ -51,7 +51,7 @@ def test_json_round_trip_has_the_architecture_shape() -> None:
     assert set(raw) >= {"generation", "job", "layout", "ranks", "store", "restore", "predicted"}
     assert set(raw["layout"]) >= {"dp", "tp", "pp", "cp", "zero", "pp_schedule", "virtual_stages",
                                   "recompute", "micro_batch", "grad_accum"}
-    assert raw["store"] == {"host": "127.0.0.1", "port": 5000}
+    assert raw["store"] == {"host": "127.0.0.1", "port": 5000, "prefix": ""}
     assert raw["restore"] == restore
     assert set(raw["predicted"]["memory_bytes"]) == {"params", "grads", "optimizer", "activations"}
     assert Plan.from_json(plan.to_json()) == plan

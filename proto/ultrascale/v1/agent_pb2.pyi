@@ -24,7 +24,7 @@ class Layout(_message.Message):
     def __init__(self, dp: _Optional[int] = ..., tp: _Optional[int] = ..., pp: _Optional[int] = ..., cp: _Optional[int] = ...) -> None: ...
 
 class Status(_message.Message):
-    __slots__ = ("job", "node", "state", "generation", "step", "world_size", "layout", "leader", "consumed_samples", "loss", "finished", "nodes")
+    __slots__ = ("job", "node", "state", "generation", "step", "world_size", "layout", "leader", "consumed_samples", "loss", "finished", "nodes", "reason", "agent_state")
     JOB_FIELD_NUMBER: _ClassVar[int]
     NODE_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
@@ -37,6 +37,8 @@ class Status(_message.Message):
     LOSS_FIELD_NUMBER: _ClassVar[int]
     FINISHED_FIELD_NUMBER: _ClassVar[int]
     NODES_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    AGENT_STATE_FIELD_NUMBER: _ClassVar[int]
     job: str
     node: str
     state: str
@@ -49,7 +51,9 @@ class Status(_message.Message):
     loss: float
     finished: bool
     nodes: int
-    def __init__(self, job: _Optional[str] = ..., node: _Optional[str] = ..., state: _Optional[str] = ..., generation: _Optional[int] = ..., step: _Optional[int] = ..., world_size: _Optional[int] = ..., layout: _Optional[_Union[Layout, _Mapping]] = ..., leader: _Optional[str] = ..., consumed_samples: _Optional[int] = ..., loss: _Optional[float] = ..., finished: _Optional[bool] = ..., nodes: _Optional[int] = ...) -> None: ...
+    reason: str
+    agent_state: str
+    def __init__(self, job: _Optional[str] = ..., node: _Optional[str] = ..., state: _Optional[str] = ..., generation: _Optional[int] = ..., step: _Optional[int] = ..., world_size: _Optional[int] = ..., layout: _Optional[_Union[Layout, _Mapping]] = ..., leader: _Optional[str] = ..., consumed_samples: _Optional[int] = ..., loss: _Optional[float] = ..., finished: _Optional[bool] = ..., nodes: _Optional[int] = ..., reason: _Optional[str] = ..., agent_state: _Optional[str] = ...) -> None: ...
 
 class ListNodesRequest(_message.Message):
     __slots__ = ()
@@ -86,12 +90,16 @@ class GetPlanRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class Plan(_message.Message):
-    __slots__ = ("generation", "plan_json")
+    __slots__ = ("generation", "plan_json", "state", "reason")
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     PLAN_JSON_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
     generation: int
     plan_json: str
-    def __init__(self, generation: _Optional[int] = ..., plan_json: _Optional[str] = ...) -> None: ...
+    state: str
+    reason: str
+    def __init__(self, generation: _Optional[int] = ..., plan_json: _Optional[str] = ..., state: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class SubmitJobRequest(_message.Message):
     __slots__ = ("spec_toml", "overrides", "replace")
@@ -157,28 +165,6 @@ class Event(_message.Message):
     message: str
     def __init__(self, revision: _Optional[int] = ..., kind: _Optional[str] = ..., node: _Optional[str] = ..., generation: _Optional[int] = ..., message: _Optional[str] = ...) -> None: ...
 
-class Progress(_message.Message):
-    __slots__ = ("generation", "step", "consumed_samples", "loss", "finished", "checkpoint_step", "checkpoint_path")
-    GENERATION_FIELD_NUMBER: _ClassVar[int]
-    STEP_FIELD_NUMBER: _ClassVar[int]
-    CONSUMED_SAMPLES_FIELD_NUMBER: _ClassVar[int]
-    LOSS_FIELD_NUMBER: _ClassVar[int]
-    FINISHED_FIELD_NUMBER: _ClassVar[int]
-    CHECKPOINT_STEP_FIELD_NUMBER: _ClassVar[int]
-    CHECKPOINT_PATH_FIELD_NUMBER: _ClassVar[int]
-    generation: int
-    step: int
-    consumed_samples: int
-    loss: float
-    finished: bool
-    checkpoint_step: int
-    checkpoint_path: str
-    def __init__(self, generation: _Optional[int] = ..., step: _Optional[int] = ..., consumed_samples: _Optional[int] = ..., loss: _Optional[float] = ..., finished: _Optional[bool] = ..., checkpoint_step: _Optional[int] = ..., checkpoint_path: _Optional[str] = ...) -> None: ...
-
-class ProgressReply(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
-
 class GenerationRequest(_message.Message):
     __slots__ = ("after_generation", "local_rank", "global_rank", "wait_seconds")
     AFTER_GENERATION_FIELD_NUMBER: _ClassVar[int]
@@ -192,7 +178,7 @@ class GenerationRequest(_message.Message):
     def __init__(self, after_generation: _Optional[int] = ..., local_rank: _Optional[int] = ..., global_rank: _Optional[int] = ..., wait_seconds: _Optional[float] = ...) -> None: ...
 
 class GenerationPlan(_message.Message):
-    __slots__ = ("generation", "plan_json", "changed", "global_rank", "local_rank", "world_size", "store_host", "store_port", "exit")
+    __slots__ = ("generation", "plan_json", "changed", "global_rank", "local_rank", "world_size", "store_host", "store_port", "exit", "store_prefix")
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     PLAN_JSON_FIELD_NUMBER: _ClassVar[int]
     CHANGED_FIELD_NUMBER: _ClassVar[int]
@@ -202,6 +188,7 @@ class GenerationPlan(_message.Message):
     STORE_HOST_FIELD_NUMBER: _ClassVar[int]
     STORE_PORT_FIELD_NUMBER: _ClassVar[int]
     EXIT_FIELD_NUMBER: _ClassVar[int]
+    STORE_PREFIX_FIELD_NUMBER: _ClassVar[int]
     generation: int
     plan_json: str
     changed: bool
@@ -211,7 +198,8 @@ class GenerationPlan(_message.Message):
     store_host: str
     store_port: int
     exit: bool
-    def __init__(self, generation: _Optional[int] = ..., plan_json: _Optional[str] = ..., changed: _Optional[bool] = ..., global_rank: _Optional[int] = ..., local_rank: _Optional[int] = ..., world_size: _Optional[int] = ..., store_host: _Optional[str] = ..., store_port: _Optional[int] = ..., exit: _Optional[bool] = ...) -> None: ...
+    store_prefix: str
+    def __init__(self, generation: _Optional[int] = ..., plan_json: _Optional[str] = ..., changed: _Optional[bool] = ..., global_rank: _Optional[int] = ..., local_rank: _Optional[int] = ..., world_size: _Optional[int] = ..., store_host: _Optional[str] = ..., store_port: _Optional[int] = ..., exit: _Optional[bool] = ..., store_prefix: _Optional[str] = ...) -> None: ...
 
 class StepReport(_message.Message):
     __slots__ = ("generation", "global_rank", "step", "loss", "tokens", "consumed_samples", "step_seconds", "world_size", "dp", "memory_params_bytes", "memory_grads_bytes", "memory_optimizer_bytes", "memory_activations_bytes", "memory_peak_bytes", "bubble_ratio", "recompute_seconds", "recompute_ratio", "local_rank")
@@ -254,42 +242,66 @@ class StepReport(_message.Message):
     def __init__(self, generation: _Optional[int] = ..., global_rank: _Optional[int] = ..., step: _Optional[int] = ..., loss: _Optional[float] = ..., tokens: _Optional[int] = ..., consumed_samples: _Optional[int] = ..., step_seconds: _Optional[float] = ..., world_size: _Optional[int] = ..., dp: _Optional[int] = ..., memory_params_bytes: _Optional[float] = ..., memory_grads_bytes: _Optional[float] = ..., memory_optimizer_bytes: _Optional[float] = ..., memory_activations_bytes: _Optional[float] = ..., memory_peak_bytes: _Optional[float] = ..., bubble_ratio: _Optional[float] = ..., recompute_seconds: _Optional[float] = ..., recompute_ratio: _Optional[float] = ..., local_rank: _Optional[int] = ...) -> None: ...
 
 class StepReply(_message.Message):
-    __slots__ = ("stop_after_step", "stop_now", "checkpoint_now")
-    STOP_AFTER_STEP_FIELD_NUMBER: _ClassVar[int]
+    __slots__ = ("stop_now", "stop", "checkpoint_seq")
     STOP_NOW_FIELD_NUMBER: _ClassVar[int]
-    CHECKPOINT_NOW_FIELD_NUMBER: _ClassVar[int]
-    stop_after_step: int
+    STOP_FIELD_NUMBER: _ClassVar[int]
+    CHECKPOINT_SEQ_FIELD_NUMBER: _ClassVar[int]
     stop_now: bool
-    checkpoint_now: bool
-    def __init__(self, stop_after_step: _Optional[int] = ..., stop_now: _Optional[bool] = ..., checkpoint_now: _Optional[bool] = ...) -> None: ...
+    stop: bool
+    checkpoint_seq: int
+    def __init__(self, stop_now: _Optional[bool] = ..., stop: _Optional[bool] = ..., checkpoint_seq: _Optional[int] = ...) -> None: ...
+
+class HeartbeatRequest(_message.Message):
+    __slots__ = ("local_rank", "generation", "phase", "step")
+    LOCAL_RANK_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    PHASE_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    local_rank: int
+    generation: int
+    phase: str
+    step: int
+    def __init__(self, local_rank: _Optional[int] = ..., generation: _Optional[int] = ..., phase: _Optional[str] = ..., step: _Optional[int] = ...) -> None: ...
+
+class HeartbeatReply(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
 
 class FailureReport(_message.Message):
-    __slots__ = ("generation", "global_rank", "message", "local_rank")
+    __slots__ = ("generation", "global_rank", "message", "local_rank", "kind", "step")
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     GLOBAL_RANK_FIELD_NUMBER: _ClassVar[int]
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
     LOCAL_RANK_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
     generation: int
     global_rank: int
     message: str
     local_rank: int
-    def __init__(self, generation: _Optional[int] = ..., global_rank: _Optional[int] = ..., message: _Optional[str] = ..., local_rank: _Optional[int] = ...) -> None: ...
+    kind: str
+    step: int
+    def __init__(self, generation: _Optional[int] = ..., global_rank: _Optional[int] = ..., message: _Optional[str] = ..., local_rank: _Optional[int] = ..., kind: _Optional[str] = ..., step: _Optional[int] = ...) -> None: ...
 
 class FailureReply(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
 class DoneReport(_message.Message):
-    __slots__ = ("generation", "global_rank", "step", "local_rank")
+    __slots__ = ("generation", "global_rank", "step", "local_rank", "stopped", "consumed_samples")
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     GLOBAL_RANK_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     LOCAL_RANK_FIELD_NUMBER: _ClassVar[int]
+    STOPPED_FIELD_NUMBER: _ClassVar[int]
+    CONSUMED_SAMPLES_FIELD_NUMBER: _ClassVar[int]
     generation: int
     global_rank: int
     step: int
     local_rank: int
-    def __init__(self, generation: _Optional[int] = ..., global_rank: _Optional[int] = ..., step: _Optional[int] = ..., local_rank: _Optional[int] = ...) -> None: ...
+    stopped: bool
+    consumed_samples: int
+    def __init__(self, generation: _Optional[int] = ..., global_rank: _Optional[int] = ..., step: _Optional[int] = ..., local_rank: _Optional[int] = ..., stopped: _Optional[bool] = ..., consumed_samples: _Optional[int] = ...) -> None: ...
 
 class DoneReply(_message.Message):
     __slots__ = ()

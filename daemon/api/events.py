@@ -12,8 +12,18 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
-from daemon.etcd_client import PUT, Etcd, WatchCompacted
-from daemon.keys import Keys, NodeRecord, loads
+from daemon.control.etcd_client import PUT, Etcd, WatchCompacted
+from daemon.control.keys import Keys
+from daemon.control.records import (
+    ControlOp,
+    ControlRequest,
+    Cordon,
+    Directive,
+    JobSpec,
+    JobStatus,
+    NodeRecord,
+)
+from parallel.planner import Plan, PlanError
 
 
 @dataclass(frozen=True)
@@ -27,7 +37,7 @@ class ClusterEvent:
 
 def _state(raw: bytes) -> str:
     with contextlib.suppress(ValueError, TypeError):
-        return NodeRecord.from_json(raw).state
+        return NodeRecord.from_json(raw).state.value
     return "?"
 
 
@@ -53,28 +63,44 @@ def render(keys: Keys, ev: Any) -> ClusterEvent | None:
         return ClusterEvent(rev, "leader", node,
                             message=f"{node} leads (fencing token {kv.create_revision})")
     if name == "generation" and put:
-        g = loads(kv.value)
-        nodes = sorted({r.get("node", "") for r in g.get("ranks", [])})
-        restore = g.get("restore", {})
+        try:
+            plan = Plan.from_json(kv.value)
+        except PlanError:
+            return None
+        r = plan.restore
         return ClusterEvent(
-            rev, "generation", generation=int(g.get("generation", 0)),
-            message=f"generation {g.get('generation')} ({g.get('reason', '?')}): world "
-                    f"{len(g.get('ranks', []))} on {','.join(nodes)}; restore "
-                    f"{restore.get('source', '?')}@{restore.get('step', 0)}")
+            rev, "generation", generation=plan.generation,
+            message=f"generation {plan.generation} ({plan.reason or '?'}): world "
+                    f"{plan.world_size} on {','.join(sorted(plan.nodes))}; restore "
+                    f"{r.source}@{r.step}")
     if name == "spec" and put:
-        job = loads(kv.value).get("config", {}).get("job", {}).get("name", "?")
+        job = JobSpec.from_json(kv.value).config.get("job", {}).get("name", "?")
         return ClusterEvent(rev, "job-submitted", message=f"job {job} submitted")
+    if name == "status" and put:
+        st = JobStatus.from_json(kv.value)
+        before = JobStatus.from_json(ev.prev_kv.value) if ev.prev_kv.key else JobStatus()
+        if (st.state, st.reason) == (before.state, before.reason):
+            return None
+        return ClusterEvent(rev, "job-state", message=f"job {st.state.value}"
+                            + (f": {st.reason}" if st.reason else ""))
+    if name.startswith("cordons/") and put:
+        c = Cordon.from_json(kv.value)
+        return ClusterEvent(rev, "cordon", c.node, message=f"{c.node} cordoned: {c.reason}")
     if name.startswith("control/") and put:
-        req = loads(kv.value)
-        node = str(req.get("node", ""))
-        return ClusterEvent(rev, "control", node,
-                            message=f"{req.get('op', '?')} {node}".strip() + " requested")
+        req = ControlRequest.from_json(kv.value)
+        if req.op == ControlOp.FAILURE:
+            return ClusterEvent(rev, "failure", req.node, req.generation,
+                                f"{req.node}: {req.kind.value} failure in generation "
+                                f"{req.generation} at step {req.step}: {req.message[:300]}")
+        return ClusterEvent(rev, "control", req.node,
+                            message=f"{req.op.value} {req.node}".strip() + " requested")
     if name == "directive" and put:
-        d = loads(kv.value)
-        return ClusterEvent(rev, "directive", generation=int(d.get("generation", 0)),
-                            message=f"generation {d.get('generation')}: stop after step "
-                                    f"{d.get('stop_after_step')}, checkpoint at step "
-                                    f"{d.get('checkpoint_at_step')}")
+        d = Directive.from_json(kv.value)
+        return ClusterEvent(rev, "directive", generation=d.generation,
+                            message=f"generation {d.generation}: "
+                                    + (f"stop at the next step boundary ({d.reason}), "
+                                       if d.stop else "")
+                                    + f"checkpoint requests {d.checkpoint_seq}")
     return None
 
 

@@ -1,7 +1,7 @@
 """The agent's Prometheus metrics, in a registry of its own, served on --metrics-listen.
 
-Names follow ARCHITECTURE.md "Observability". Training metrics count the job's global progress
-as seen by this node's local rank 0 (every rank reports the same global loss and token count),
+Names and labels are listed in the README's metrics table. Training metrics count the job's
+global progress as seen by this node's local rank 0 (every rank reports the same global loss and token count),
 so any one agent's /metrics tells the job's story.
 """
 
@@ -21,6 +21,8 @@ from prometheus_client import (
 )
 
 from daemon import __version__
+from parallel.planner import Plan
+from proto.ultrascale.v1 import agent_pb2 as pb
 
 MEMORY_KINDS = ("params", "grads", "optimizer", "activations")
 _STEP_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
@@ -67,6 +69,31 @@ class Metrics:
         for reason in ("start", "join", "leave", "drain", "failure", "job"):
             self.membership_changes.labels(reason=reason)
         self.is_leader.set(0)
+
+    def observe_plan(self, plan: Plan) -> None:
+        self.generation.set(plan.generation)
+        self.world_size.set(plan.world_size)
+        for dim in ("dp", "tp", "pp", "cp"):
+            self.mesh_size.labels(dim=dim).set(getattr(plan.layout, dim))
+        self.bubble.labels(source="predicted").set(plan.predicted.bubble_ratio)
+        self.membership_changes.labels(reason=plan.reason or "start").inc()
+
+    def observe_step(self, report: pb.StepReport) -> None:
+        """One step, as reported by this node's first local rank."""
+        self.steps.inc()
+        self.tokens.inc(max(0, report.tokens))
+        self.loss.set(report.loss)
+        self.step_duration.observe(max(0.0, report.step_seconds))
+        for kind in MEMORY_KINDS:
+            name = f"memory_{kind}_bytes"
+            if report.HasField(name):
+                self.memory.labels(kind=kind, source="measured").set(getattr(report, name))
+        if report.HasField("bubble_ratio"):
+            self.bubble.labels(source="measured").set(report.bubble_ratio)
+        if report.HasField("recompute_seconds"):
+            self.recompute_seconds.inc(report.recompute_seconds)
+        if report.HasField("recompute_ratio"):
+            self.recompute_ratio.set(report.recompute_ratio)
 
 
 def serve(metrics: Metrics, host: str, port: int) -> WSGIServer:

@@ -6,7 +6,9 @@
 
 Endpoint and token come from the flags, else ULTRA_ENDPOINT / ULTRA_TOKEN_FILE, else the
 context (--context, ULTRA_CONTEXT or the config's current-context) in
-$XDG_CONFIG_HOME/ultrascale/config. Data goes to stdout, diagnostics to stderr.
+$XDG_CONFIG_HOME/ultrascale/config. An endpoint may list several agents (a,b,c): the first
+that answers is used. `-o` goes before or after the command. Data goes to stdout,
+diagnostics to stderr.
 Exit codes: 0 ok, 1 failure (including a rejected request), 2 usage.
 """
 
@@ -24,10 +26,12 @@ import grpc
 import yaml
 from google.protobuf.json_format import MessageToDict
 
-from daemon.auth import call_metadata
-from daemon.ctlconfig import ContextError, config_path, load_context
+from daemon.api.auth import call_metadata
+from daemon.cli.ctlconfig import ContextError, config_path, load_context
 from proto.ultrascale.v1 import agent_pb2 as pb
 from proto.ultrascale.v1 import agent_pb2_grpc as pb_grpc
+
+_OUTPUTS = ("table", "json", "yaml")
 
 
 class CtlError(Exception):
@@ -44,10 +48,14 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--token-file", default=env("ULTRA_TOKEN_FILE"), help="bearer token file")
     p.add_argument("--context", default=env("ULTRA_CONTEXT", ""), help="context in the config")
     p.add_argument("--tls-ca", default=env("ULTRA_TLS_CA"), help="CA to verify the agent's TLS")
-    p.add_argument("-o", "--output", choices=("table", "json", "yaml"),
-                   default=env("ULTRA_OUTPUT", "table"))
+    p.add_argument("-o", "--output", choices=_OUTPUTS, default=env("ULTRA_OUTPUT", "table"))
     p.add_argument("--timeout", type=float, default=10.0, help="seconds per call")
-    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    # kubectl habit: `ultractl nodes -o json` as well as `ultractl -o json nodes`.
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("-o", "--output", choices=_OUTPUTS, default=argparse.SUPPRESS)
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND",
+                           parser_class=lambda **kw: argparse.ArgumentParser(
+                               parents=[common], **kw))
     sub.add_parser("status", help="the job and the cluster at a glance")
     sub.add_parser("nodes", help="members and their state")
     sub.add_parser("plan", help="the current generation plan")
@@ -85,11 +93,42 @@ def _connect(args: argparse.Namespace) -> tuple[pb_grpc.AgentStub, tuple[tuple[s
             token = Path(token_file).expanduser().read_text().strip()
         except OSError as exc:
             raise CtlError(f"--token-file {token_file}: {exc.strerror}", 2) from None
-    if ca:
-        channel = grpc.secure_channel(endpoint, grpc.ssl_channel_credentials(Path(ca).read_bytes()))
-    else:
-        channel = grpc.insecure_channel(endpoint)
-    return pb_grpc.AgentStub(channel), call_metadata(token) if token else ()
+    creds = grpc.ssl_channel_credentials(Path(ca).read_bytes()) if ca else None
+    endpoints = [e.strip() for e in endpoint.split(",") if e.strip()]
+    return _FailoverStub(endpoints, creds), call_metadata(token) if token else ()
+
+
+class _FailoverStub:
+    """An AgentStub over several endpoints: each call goes to the first agent that answers."""
+
+    def __init__(self, endpoints: list[str], creds: grpc.ChannelCredentials | None) -> None:
+        self._stubs = [pb_grpc.AgentStub(grpc.secure_channel(e, creds) if creds
+                                         else grpc.insecure_channel(e)) for e in endpoints]
+
+    def __getattr__(self, method: str) -> Callable[..., Any]:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            error: grpc.RpcError | None = None
+            for stub in self._stubs:
+                try:
+                    reply = getattr(stub, method)(*args, **kwargs)
+                    if method == "WatchEvents":
+                        # A stream fails on its first message, not at the call.
+                        first = next(iter(reply), None)
+                        return _chain(first, reply)
+                    return reply
+                except grpc.RpcError as exc:
+                    if exc.code() != grpc.StatusCode.UNAVAILABLE:  # type: ignore[attr-defined]
+                        raise
+                    error = exc
+            assert error is not None
+            raise error
+        return call
+
+
+def _chain(first: Any, rest: Iterable[Any]) -> Iterable[Any]:
+    if first is not None:
+        yield first
+        yield from rest
 
 
 def _dict(message: Any) -> dict[str, Any]:
@@ -125,7 +164,9 @@ def _columns(rows: list[list[str]]) -> Iterable[str]:
 def _status_table(s: dict[str, Any]) -> Iterable[str]:
     lay = s["layout"]
     yield from _columns([
-        ["JOB", s["job"] or "-"], ["STATE", s["state"]], ["GENERATION", str(s["generation"])],
+        ["JOB", s["job"] or "-"], ["STATE", s["state"]], ["REASON", s["reason"] or "-"],
+        ["AGENT", f"{s['node']} ({s['agent_state']})"],
+        ["GENERATION", str(s["generation"])],
         ["STEP", str(s["step"])], ["LOSS", f"{s['loss']:.4f}"],
         ["WORLD", f"{s['world_size']} (dp {lay['dp']} tp {lay['tp']} pp {lay['pp']} "
                   f"cp {lay['cp']})"],
@@ -142,7 +183,9 @@ def _nodes_table(nodes: list[dict[str, Any]]) -> Iterable[str]:
 
 
 def _plan_table(plan: dict[str, Any]) -> Iterable[str]:
-    if not plan:
+    if plan.get("state") in ("pending", "failed"):
+        yield f"job {plan['state']}: {plan.get('job_reason') or '-'}"
+    if "layout" not in plan:
         yield "no generation yet"
         return
     lay = plan["layout"]
@@ -167,7 +210,10 @@ def run(args: argparse.Namespace) -> int:
         _emit([_dict(n) for n in reply.nodes], out, _nodes_table)
     elif args.command == "plan":
         reply = stub.GetPlan(pb.GetPlanRequest(), timeout=t, metadata=md)
-        _emit(json.loads(reply.plan_json) if reply.plan_json else {}, out, _plan_table)
+        plan = json.loads(reply.plan_json) if reply.plan_json else {}
+        # The job's state rides along; the plan's own `reason` says why it was made.
+        plan.update({"state": reply.state, "job_reason": reply.reason})
+        _emit(plan, out, _plan_table)
     elif args.command == "job":
         try:
             text = Path(args.file).read_text()

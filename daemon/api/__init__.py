@@ -1,0 +1,1 @@
+"""The API that ultractl and peers call: the admin service, authentication, events, metrics."""

@@ -1,0 +1,186 @@
+"""The Agent gRPC service: what ultractl calls (bearer token required)."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Protocol
+
+import grpc
+
+from daemon.api.events import history
+from daemon.control.etcd_client import Etcd
+from daemon.control.keys import Keys
+from daemon.control.records import ControlOp, ControlRequest, JobSpec, JobState, NodeState
+from daemon.control.view import ClusterView
+from parallel import job as jobmod
+from parallel.layout import resolve
+from proto.ultrascale.v1 import agent_pb2 as pb
+from proto.ultrascale.v1 import agent_pb2_grpc as pb_grpc
+
+# etcd refuses requests over --max-request-bytes (1.5 MiB by default); keep room for the
+# transaction around the value.
+MAX_SPEC_BYTES = 1024 * 1024
+_NODE_OPS = {ControlOp.DRAIN: NodeState.DRAINING, ControlOp.CORDON: NodeState.CORDONED,
+             ControlOp.UNCORDON: NodeState.READY}
+
+
+class AdminHost(Protocol):
+    """What the service needs from the agent (the agent implements it)."""
+
+    node_id: str
+    view: ClusterView
+    etcd: Etcd
+    keys: Keys
+
+    @property
+    def agent_state(self) -> str: ...
+    @property
+    def ttl(self) -> float: ...
+
+
+def job_state(view: ClusterView) -> tuple[JobState, str]:
+    """The job's state and its reason, as operators see it."""
+    if view.spec is None:
+        return JobState.NONE, "no job submitted"
+    status = view.status
+    if status.spec_revision != view.spec.mod_revision:
+        return JobState.PENDING, "waiting for the leader to plan the job"
+    return status.state, status.reason
+
+
+class AdminService(pb_grpc.AgentServicer):
+    def __init__(self, host: AdminHost) -> None:
+        self.host = host
+
+    async def GetStatus(self, request: pb.GetStatusRequest,
+                        context: grpc.aio.ServicerContext) -> pb.Status:
+        view = self.host.view
+        plan, progress = view.plan, view.progress
+        layout = pb.Layout()
+        if plan is not None:
+            layout = pb.Layout(dp=plan.layout.dp, tp=plan.layout.tp, pp=plan.layout.pp,
+                               cp=plan.layout.cp)
+        state, reason = job_state(view)
+        job = view.job_spec.config.get("job", {}).get("name", "") if view.spec else ""
+        return pb.Status(
+            job=str(job), node=self.host.node_id, state=state.value, reason=reason,
+            agent_state=self.host.agent_state, generation=view.generation,
+            step=progress.step, world_size=plan.world_size if plan else 0, layout=layout,
+            leader=view.leader_node, consumed_samples=progress.consumed_samples,
+            loss=progress.loss, finished=state == JobState.FINISHED, nodes=len(view.nodes),
+        )
+
+    async def ListNodes(self, request: pb.ListNodesRequest,
+                        context: grpc.aio.ServicerContext) -> pb.ListNodesResponse:
+        view = self.host.view
+        leader = view.leader_node
+        return pb.ListNodesResponse(nodes=[
+            pb.Node(node=name, address=m.record.address, metrics_url=m.record.metrics_url,
+                    devices=m.record.devices,
+                    state=NodeState.CORDONED.value if name in view.cordons
+                    else m.record.state.value,
+                    pid=m.record.pid, leader=name == leader, version=m.record.version)
+            for name, m in sorted(view.nodes.items())
+        ])
+
+    async def GetPlan(self, request: pb.GetPlanRequest,
+                      context: grpc.aio.ServicerContext) -> pb.Plan:
+        view = self.host.view
+        plan = view.plan
+        state, reason = job_state(view)
+        return pb.Plan(generation=plan.generation if plan else 0,
+                       plan_json=plan.to_json() if plan else "", state=state.value,
+                       reason=reason)
+
+    async def SubmitJob(self, request: pb.SubmitJobRequest,
+                        context: grpc.aio.ServicerContext) -> pb.SubmitJobResponse:
+        try:
+            job = jobmod.loads(request.spec_toml, list(request.overrides), source="job spec")
+            p = job.parallel
+            # Check the layout on the smallest world it could run on, so an unsupported or
+            # inconsistent parallelism is refused now rather than when nodes are planned.
+            resolve(job, (p.dp if isinstance(p.dp, int) else 1) * p.tp * p.pp * p.cp)
+        except jobmod.ConfigError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        spec = JobSpec(config=job.to_dict(), toml=request.spec_toml,
+                       overrides=tuple(request.overrides), submitted_at=time.time())
+        value = spec.to_json()
+        if len(value) > MAX_SPEC_BYTES:
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"spec_toml: the stored job is {len(value)} bytes, over the {MAX_SPEC_BYTES} "
+                f"byte limit (etcd refuses requests over --max-request-bytes, 1.5 MiB by "
+                f"default)")
+        keys, etcd = self.host.keys, self.host.etcd
+        compare = [] if request.replace else [etcd.tx.version(keys.spec) == 0]
+        # A new job starts from nothing: the previous job's progress and orders go with it.
+        ok, responses = await etcd.txn(
+            compare,
+            [etcd.tx.put(keys.spec, value), etcd.tx.delete(keys.progress),
+             etcd.tx.delete(keys.checkpoint), etcd.tx.delete(keys.directive)],
+        )
+        if not ok:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                "a job is already submitted; pass --replace to replace it")
+        return pb.SubmitJobResponse(job=job.job.name,
+                                    revision=responses[0].response_put.header.revision)
+
+    async def _node_op(self, op: ControlOp, request: pb.NodeRequest,
+                       context: grpc.aio.ServicerContext) -> pb.NodeResponse:
+        view, node = self.host.view, request.node
+        if node not in view.nodes:
+            members = ", ".join(sorted(view.nodes)) or "none"
+            await context.abort(grpc.StatusCode.NOT_FOUND,
+                                f"node: unknown node {node!r} (members: {members})")
+        target = _NODE_OPS[op]
+        request_id = f"{op.value}-{uuid.uuid4().hex[:12]}"
+        key = self.host.keys.control_request(request_id)
+        await self.host.etcd.put(key, ControlRequest(op=op, node=node, time=time.time())
+                                 .to_json())
+
+        def applied() -> bool:
+            # A node briefly absent (re-joining after fencing) applies the request when back.
+            member = view.nodes.get(node)
+            cordon_gone = op != ControlOp.UNCORDON or node not in view.cordons
+            return member is not None and member.record.state == target and cordon_gone
+
+        if not await view.wait_for(applied, timeout=2 * self.host.ttl) \
+                and view.nodes.get(node) is not None:
+            await self.host.etcd.delete(key)
+            await context.abort(grpc.StatusCode.UNAVAILABLE,
+                                f"node {node!r} did not apply {op.value} in time; request "
+                                f"withdrawn")
+        member = view.nodes.get(node)
+        return pb.NodeResponse(node=node, state=member.record.state.value if member else "gone",
+                               request_id=request_id)
+
+    async def Drain(self, request: pb.NodeRequest,
+                    context: grpc.aio.ServicerContext) -> pb.NodeResponse:
+        return await self._node_op(ControlOp.DRAIN, request, context)
+
+    async def Cordon(self, request: pb.NodeRequest,
+                     context: grpc.aio.ServicerContext) -> pb.NodeResponse:
+        return await self._node_op(ControlOp.CORDON, request, context)
+
+    async def Uncordon(self, request: pb.NodeRequest,
+                       context: grpc.aio.ServicerContext) -> pb.NodeResponse:
+        return await self._node_op(ControlOp.UNCORDON, request, context)
+
+    async def Checkpoint(self, request: pb.CheckpointRequest,
+                         context: grpc.aio.ServicerContext) -> pb.CheckpointResponse:
+        if self.host.view.plan is None:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                "no generation is running: nothing to checkpoint")
+        request_id = f"checkpoint-{uuid.uuid4().hex[:12]}"
+        await self.host.etcd.put(self.host.keys.control_request(request_id),
+                                 ControlRequest(op=ControlOp.CHECKPOINT, time=time.time())
+                                 .to_json())
+        return pb.CheckpointResponse(request_id=request_id)
+
+    async def WatchEvents(self, request: pb.WatchEventsRequest,
+                          context: grpc.aio.ServicerContext) -> AsyncIterator[pb.Event]:
+        async for ev in history(self.host.etcd, self.host.keys, request.follow):
+            yield pb.Event(revision=ev.revision, kind=ev.kind, node=ev.node,
+                           generation=ev.generation, message=ev.message)

@@ -1,0 +1,1 @@
+"""Entry points: ultrad (the agent), ultrad local (a whole cluster on one machine), ultractl."""

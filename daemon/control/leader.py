@@ -1,0 +1,213 @@
+"""What the elected agent does: carry out `decide()`'s actions with fenced writes.
+
+Every write is a transaction guarded by the leader key's create_revision (the fencing token,
+election.py); a generation is additionally guarded by the generation key's mod_revision as read,
+so a number is never written twice, even by two agents that both believe they lead. The
+decisions themselves are pure (decide.py); this module only gathers the snapshot they need,
+performs the effects (writes, probes, the c10d store), and sleeps until something changes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+
+from daemon.control.decide import (
+    Action,
+    ConsumeRequests,
+    CordonNodes,
+    MemberInfo,
+    ProbeNodes,
+    ProbeResult,
+    SetDirective,
+    SetStatus,
+    Snapshot,
+    StartGeneration,
+    decide,
+)
+from daemon.control.election import Election, FencedConflict, NotLeader
+from daemon.control.etcd_client import ETCD_ERRORS, Etcd
+from daemon.control.keys import Keys
+from daemon.control.store_host import StoreHost
+from daemon.control.view import ClusterView
+from daemon.tasks import Backoff
+from parallel import job as jobmod
+from parallel.planner import Plan, StoreAddress
+
+log = logging.getLogger(__name__)
+
+Probe = Callable[[str], Awaitable[bool]]
+_WAKE_ON = {"nodes", "spec", "control", "generation", "leader", "progress", "checkpoint",
+            "cordons", "directive", "status", "connection"}
+
+
+def job_from_view(view: ClusterView) -> jobmod.JobConfig | None:
+    """The submitted job (validated by SubmitJob), or None when none is (or it is unreadable)."""
+    if view.spec is None:
+        return None
+    try:
+        return jobmod.from_dict(view.job_spec.config)
+    except jobmod.ConfigError as exc:
+        log.error("the stored job spec is invalid (%s); resubmit it", exc)
+        return None
+
+
+class Leader:
+    def __init__(self, etcd: Etcd, keys: Keys, view: ClusterView, election: Election,
+                 store: StoreHost, ttl: float, debounce_s: float, probe: Probe) -> None:
+        self.etcd = etcd
+        self.keys = keys
+        self.view = view
+        self.election = election
+        self.store = store
+        self.ttl = ttl
+        self.debounce_s = debounce_s
+        self.probe = probe
+        self._wake = asyncio.Event()
+        self._missing_since: dict[str, float] = {}
+        self._probes: dict[str, ProbeResult] = {}
+        # Last known address of every node: a member whose key is gone may still answer.
+        self._addresses: dict[str, str] = {}
+        view.subscribe(self._on_view)
+
+    def _on_view(self, kinds: set[str]) -> None:
+        if kinds & _WAKE_ON:
+            self._wake.set()
+
+    async def lead(self) -> None:
+        """Run while this agent leads; returns when leadership is lost."""
+        self._wake.set()
+        self._missing_since.clear()
+        self._probes.clear()
+        wake_at: float | None = None
+        backoff = Backoff(initial=0.1, maximum=self.ttl / 2)
+        while self.election.is_leader:
+            timeout = self.ttl if wake_at is None else max(0.0, min(self.ttl,
+                                                                    wake_at - time.time()))
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), timeout)
+            held = self.view.leader
+            # A newer leader key than ours means we lost it; an older one is just watch lag.
+            if held is not None and held[1] > self.election.token:
+                self.election.drop(f"leader key now held by {held[0]}")
+                return
+            self._wake.clear()
+            await asyncio.sleep(self.debounce_s)
+            try:
+                decision = decide(self.snapshot())
+                wake_at = decision.wake_at
+                for action in decision.actions:
+                    await self._perform(action)
+                if decision.actions:
+                    self._wake.set()  # see the consequences
+                backoff.reset()
+            except NotLeader as exc:
+                log.warning("lost leadership: %s", exc)
+                return
+            except FencedConflict:
+                self._wake.set()
+            except ETCD_ERRORS as exc:
+                log.warning("leader step failed (%s: %s); retrying", type(exc).__name__, exc)
+                await backoff.sleep()
+                self._wake.set()
+
+    def request_reconcile(self) -> None:
+        self._wake.set()
+
+    def snapshot(self) -> Snapshot:
+        view, now = self.view, time.time()
+        plan = view.plan
+        members = {name: MemberInfo(m.record.devices, m.record.state)
+                   for name, m in view.nodes.items()}
+        self._addresses.update((name, m.record.address) for name, m in view.nodes.items())
+        missing = [n for n in (plan.nodes if plan else ()) if n not in members]
+        for node in list(self._missing_since):
+            if node not in missing:
+                del self._missing_since[node]
+                self._probes.pop(node, None)
+        for node in missing:
+            self._missing_since.setdefault(node, now)
+        return Snapshot(
+            now=now, ttl=self.ttl, job=job_from_view(view),
+            spec_revision=view.spec.mod_revision if view.spec else 0, members=members,
+            cordons=dict(view.cordons), plan=plan, progress=view.progress,
+            checkpoint=view.checkpoint, directive=view.directive, status=view.status,
+            control=dict(view.control), missing_since=dict(self._missing_since),
+            probes=dict(self._probes))
+
+    # -- effects -------------------------------------------------------------------------------
+
+    async def _perform(self, action: Action) -> None:
+        tx, keys = self.etcd.tx, self.keys
+        if isinstance(action, StartGeneration):
+            await self.write_generation(action.plan, action.reason)
+        elif isinstance(action, SetDirective):
+            await self.election.fenced_txn([], [tx.put(keys.directive,
+                                                       action.directive.to_json())])
+            d = action.directive
+            log.info("directive for generation %d: stop=%s checkpoint_seq=%d %s",
+                     d.generation, d.stop, d.checkpoint_seq, d.reason)
+        elif isinstance(action, SetStatus):
+            await self.election.fenced_txn([], [tx.put(keys.status, action.status.to_json())])
+            st = action.status
+            (log.error if st.state.value == "failed" else log.info)(
+                "job %s%s", st.state.value, f": {st.reason}" if st.reason else "")
+        elif isinstance(action, CordonNodes):
+            await self.election.fenced_txn([], [tx.put(keys.cordon(c.node), c.to_json())
+                                                for c in action.cordons])
+            for c in action.cordons:
+                log.error("cordoned %s: %s", c.node, c.reason)
+        elif isinstance(action, ConsumeRequests):
+            await self.election.fenced_txn([], [tx.delete(keys.control_request(i))
+                                                for i in action.ids])
+        elif isinstance(action, ProbeNodes):
+            await self._probe_nodes(action.nodes)
+
+    async def write_generation(self, candidate: Plan, reason: str) -> Plan:
+        kv = await self.etcd.get(self.keys.generation)
+        number = Plan.from_json(kv.value).generation if kv else 0
+        mod = kv.mod_revision if kv else 0
+        port = await self.store.open(number + 1)
+        prefix = f"generation/{number + 1}/{uuid.uuid4().hex[:12]}"
+        plan = dataclasses.replace(candidate, generation=number + 1, reason=reason,
+                                   store=StoreAddress(self.store.host, port, prefix))
+        await self.election.fenced_txn(
+            [self.etcd.tx.mod(self.keys.generation) == mod],
+            [self.etcd.tx.put(self.keys.generation, plan.to_json().encode())],
+        )
+        log.info("generation %d (%s): world %d on %s, restore %s@%d%s", plan.generation, reason,
+                 plan.world_size, ",".join(plan.nodes), plan.restore.source, plan.restore.step,
+                 f", idle {','.join(plan.idle)}" if plan.idle else "")
+        return plan
+
+    async def _probe_nodes(self, nodes: tuple[str, ...]) -> None:
+        """Probe agents (a failed collective, or a missing lease); revoke the unreachable."""
+        results = await asyncio.gather(*(self._probe_one(n) for n in nodes
+                                          if n != self.election.node))
+        dead = [n for n, alive in results if not alive]
+        if dead:
+            log.warning("unreachable agent(s): %s", ", ".join(dead))
+            # Let the view see the revoked leases before the next decision.
+            await self.view.wait_for(lambda: all(n not in self.view.nodes for n in dead),
+                                     timeout=self.ttl)
+
+    async def _probe_one(self, node: str) -> tuple[str, bool]:
+        member = self.view.nodes.get(node)
+        address = member.record.address if member else self._addresses.get(node, "")
+        alive = bool(address) and await self.probe(address)
+        now = time.time()
+        if not alive:
+            # Its key is about to go: missing from now, and this probe already answers for it.
+            self._missing_since.setdefault(node, now)
+        self._probes[node] = ProbeResult(alive, now)
+        if not alive and member is not None:
+            try:
+                await self.etcd.revoke(member.lease)
+            except ETCD_ERRORS as exc:
+                log.warning("could not revoke the lease of %s: %s", node, exc)
+        return node, alive

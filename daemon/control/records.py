@@ -1,0 +1,273 @@
+"""Typed values of the job's keys in etcd (docs/architecture.md, "etcd keys").
+
+Every value is a frozen dataclass that serialises to sorted, compact JSON and parses back
+leniently: unknown fields are ignored (a newer agent may add some) and a value that is not a
+JSON object at all reads as the record's defaults, so a stray write can never crash an agent.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+R = TypeVar("R", bound="Record")
+
+
+def dumps(value: Mapping[str, Any]) -> bytes:
+    return json.dumps(value, sort_keys=True, separators=(",", ":")).encode()
+
+
+def loads(raw: bytes | str) -> dict[str, Any]:
+    """A JSON object from etcd; anything else (a stray write) reads as empty."""
+    try:
+        value = json.loads(raw)
+    except ValueError:
+        return {}
+    return value if isinstance(value, dict) else {}
+
+
+class Record:
+    """JSON (de)serialisation shared by the records below."""
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)  # type: ignore[call-overload]
+
+    def to_json(self) -> bytes:
+        return dumps(_plain(self.to_dict()))
+
+    @classmethod
+    def from_dict(cls: type[R], data: Mapping[str, Any]) -> R:
+        fields = {f.name: f for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
+        kwargs: dict[str, Any] = {}
+        for name, value in data.items():
+            f = fields.get(name)
+            if f is None:
+                continue
+            try:
+                kwargs[name] = _coerce(f.type, value)
+            except (TypeError, ValueError):
+                continue  # a mistyped field reads as its default
+        return cls(**kwargs)
+
+    @classmethod
+    def from_json(cls: type[R], raw: bytes | str) -> R:
+        return cls.from_dict(loads(raw))
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, enum.Enum):
+        return value.value
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    return value
+
+
+_SCALARS: dict[str, type] = {"int": int, "float": float}
+
+
+def _coerce(type_name: Any, value: Any) -> Any:
+    name = type_name if isinstance(type_name, str) else getattr(type_name, "__name__", "")
+    if name == "bool":
+        if not isinstance(value, bool):
+            raise TypeError(name)
+        return value
+    if name == "str":
+        if not isinstance(value, str):
+            raise TypeError(name)
+        return value
+    if name in ("int", "float"):
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise TypeError(name)
+        if name == "int" and value != int(value):
+            raise TypeError(name)
+        return _SCALARS[name](value)
+    enums = {e.__name__: e for e in (NodeState, JobState, ControlOp, FailureKind)}
+    if name in enums:
+        return enums[name](value)
+    if not name.startswith("tuple[") or not isinstance(value, list):
+        raise TypeError(name)
+    if name == "tuple[FailureRecord, ...]":
+        return tuple(FailureRecord.from_dict(v) for v in value if isinstance(v, dict))
+    if name == "tuple[str, ...]":
+        return tuple(v for v in value if isinstance(v, str))
+    raise TypeError(name)
+
+
+class NodeState(str, enum.Enum):
+    """An operator's intent for a node (kubectl's cordon/drain, in etcd)."""
+
+    READY = "ready"
+    DRAINING = "draining"    # leave at the next agreed step boundary
+    CORDONED = "cordoned"    # keep running work, take no place in new generations
+
+
+@dataclass(frozen=True)
+class NodeRecord(Record):
+    """`nodes/<node>`, written by the node's own agent under its lease."""
+
+    node: str
+    address: str
+    metrics_url: str
+    devices: int
+    state: NodeState = NodeState.READY
+    pid: int = 0
+    version: str = ""
+
+    def with_state(self, state: NodeState | str) -> NodeRecord:
+        try:
+            return dataclasses.replace(self, state=NodeState(state))
+        except ValueError:
+            allowed = ", ".join(s.value for s in NodeState)
+            raise ValueError(f"node state must be one of {allowed} (got {state!r})") from None
+
+
+@dataclass(frozen=True)
+class Progress(Record):
+    """`progress`: the last step rank 0 completed, written by rank 0's agent, fenced by the
+    generation it reports (a straggler of an older generation cannot overwrite a newer one)."""
+
+    generation: int = 0
+    step: int = 0
+    consumed_samples: int = 0
+    loss: float = 0.0
+    finished: bool = False   # the job's last step is done
+    stopped: bool = False    # the generation left at a planned boundary, checkpointed
+    time: float = 0.0        # wall clock of the writer
+
+
+@dataclass(frozen=True)
+class CheckpointRecord(Record):
+    """`checkpoint`: the newest durable checkpoint every rank committed."""
+
+    generation: int = 0
+    step: int = -1           # -1: none yet
+    path: str = ""
+
+
+@dataclass(frozen=True)
+class Directive(Record):
+    """`directive`: the leader's standing requests to the running generation.
+
+    Workers agree on each field with an all-reduce after every step, so a request takes effect
+    at the first step any rank saw it, the same step everywhere (trainer/worker.py).
+    """
+
+    generation: int = 0
+    stop: bool = False        # planned change: checkpoint, then leave the generation
+    checkpoint_seq: int = 0   # checkpoint requests so far in this generation
+    reason: str = ""
+    time: float = 0.0         # when `stop` was first asked (the leader's clock)
+
+
+class JobState(str, enum.Enum):
+    NONE = "none"            # no job submitted
+    PENDING = "pending"      # the ready nodes cannot host the job (reason says why)
+    RUNNING = "running"
+    FAILED = "failed"        # stopped retrying: the reason is the cause
+    FINISHED = "finished"
+
+
+class FailureKind(str, enum.Enum):
+    EXIT = "exit"            # a worker process died (node implicated)
+    HANG = "hang"            # a worker made no progress and was killed (node implicated)
+    LOCAL = "local"          # a worker's own error: data, disk, a bug (node implicated)
+    PEER = "peer"            # a collective failed because of another rank (nobody implicated)
+    LOST = "lost"            # a member's agent is gone (node implicated)
+
+
+IMPLICATING = frozenset({FailureKind.EXIT, FailureKind.HANG, FailureKind.LOCAL,
+                         FailureKind.LOST})
+
+
+@dataclass(frozen=True)
+class FailureRecord(Record):
+    """One failed generation: every report about it, merged."""
+
+    generation: int = 0
+    step: int = -1                    # the earliest step a report named (-1: unknown)
+    nodes: tuple[str, ...] = ()       # nodes implicated (sorted)
+    cause: str = ""                   # the first implicating report's message
+    time: float = 0.0
+
+
+@dataclass(frozen=True)
+class JobStatus(Record):
+    """`status`: the job's state for operators, and the failures since the last progress.
+
+    Written by the leader only (fenced), so a new leader continues the count where the old one
+    stopped: a crash loop cannot escape its limit by killing the leader.
+    """
+
+    state: JobState = JobState.NONE
+    reason: str = ""
+    failures: tuple[FailureRecord, ...] = ()
+    spec_revision: int = 0            # the job submission this status is about
+    time: float = 0.0
+
+
+class ControlOp(str, enum.Enum):
+    DRAIN = "drain"
+    CORDON = "cordon"
+    UNCORDON = "uncordon"
+    CHECKPOINT = "checkpoint"
+    FAILURE = "failure"
+
+    @property
+    def node_op(self) -> bool:
+        """Applied by the node it names rather than by the leader."""
+        return self in (ControlOp.DRAIN, ControlOp.CORDON, ControlOp.UNCORDON)
+
+
+@dataclass(frozen=True)
+class ControlRequest(Record):
+    """`control/<id>`: a request to the node it names or to the leader; deleted once applied."""
+
+    op: ControlOp = ControlOp.CHECKPOINT
+    node: str = ""
+    generation: int = 0
+    kind: FailureKind = FailureKind.PEER
+    step: int = -1
+    message: str = ""
+    time: float = 0.0
+
+
+@dataclass(frozen=True)
+class Cordon(Record):
+    """`cordons/<node>`: the leader's cordon of a node that kept failing; survives the node's
+    restarts (its own `nodes/` record does not). `ultractl uncordon` removes it."""
+
+    node: str = ""
+    reason: str = ""
+    time: float = 0.0
+
+
+@dataclass(frozen=True)
+class JobSpec(Record):
+    """`spec`: the submitted job, validated by SubmitJob."""
+
+    config: dict[str, Any] = field(default_factory=dict)
+    toml: str = ""
+    overrides: tuple[str, ...] = ()
+    submitted_at: float = 0.0
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> JobSpec:
+        config = data.get("config")
+        scalars = Record.from_dict.__func__(_JobSpecScalars, data)  # type: ignore[attr-defined]
+        return cls(config=dict(config) if isinstance(config, dict) else {}, toml=scalars.toml,
+                   overrides=scalars.overrides, submitted_at=scalars.submitted_at)
+
+
+@dataclass(frozen=True)
+class _JobSpecScalars(Record):
+    """JobSpec's typed fields, parsed by the shared rules (its `config` is free-form)."""
+
+    toml: str = ""
+    overrides: tuple[str, ...] = ()
+    submitted_at: float = 0.0

@@ -1,0 +1,106 @@
+"""Rank 0's progress, checkpoints and the end of the job, recorded in etcd so they cannot be lost.
+
+The agent hosting global rank 0 of the running generation writes `checkpoint` and `progress`
+itself, in one transaction guarded by the generation key's mod_revision: a report about a
+generation that has been replaced is refused by etcd (a straggler cannot overwrite newer
+progress), and a report about the running one needs no leader and no peer credentials. A write
+that fails (etcd unreachable, a timeout) is retried with backoff until it is acknowledged or its
+generation is replaced, so `finished` and the checkpoint of a planned stop always arrive.
+Routine step reports are coalesced to one write per `interval`; boundaries go at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+import time
+from typing import Any
+
+from daemon.control.etcd_client import ETCD_ERRORS, Etcd
+from daemon.control.keys import Keys
+from daemon.control.records import CheckpointRecord, Progress
+from daemon.control.view import ClusterView
+from daemon.tasks import Backoff
+
+log = logging.getLogger(__name__)
+
+
+class ProgressWriter:
+    def __init__(self, etcd: Etcd, keys: Keys, view: ClusterView, interval: float = 0.5) -> None:
+        self.etcd = etcd
+        self.keys = keys
+        self.view = view
+        self.interval = interval
+        self._progress: Progress | None = None
+        self._checkpoint: CheckpointRecord | None = None
+        self._urgent = asyncio.Event()
+        self._pending = asyncio.Event()
+        self._written_at = 0.0
+        self.rejected = 0  # reports refused because their generation was replaced
+
+    def report(self, generation: int, urgent: bool = False, **fields: Any) -> None:
+        """Merge `fields` into the progress of `generation` and schedule a write."""
+        first = self._progress is None or self._progress.generation != generation
+        # The first report of a generation goes at once: until it is in, the leader treats
+        # the generation as not started and applies a planned change without a boundary.
+        urgent = urgent or first
+        base = Progress(generation=generation) if first else self._progress
+        assert base is not None
+        self._progress = dataclasses.replace(base, time=time.time(), **fields)
+        self._schedule(urgent)
+
+    def checkpoint(self, generation: int, step: int, path: str) -> None:
+        self._checkpoint = CheckpointRecord(generation, step, path)
+        self._schedule(urgent=True)
+
+    def _schedule(self, urgent: bool) -> None:
+        self._pending.set()
+        if urgent:
+            self._urgent.set()
+
+    async def run(self) -> None:
+        backoff = Backoff(initial=0.1, maximum=2.0)
+        while True:
+            await self._pending.wait()
+            if not self._urgent.is_set():
+                wait = self._written_at + self.interval - time.monotonic()
+                if wait > 0:
+                    with contextlib.suppress(asyncio.TimeoutError):
+                        await asyncio.wait_for(self._urgent.wait(), wait)
+            self._pending.clear()
+            self._urgent.clear()
+            progress, checkpoint = self._progress, self._checkpoint
+            try:
+                await self._write(progress, checkpoint)
+                backoff.reset()
+            except ETCD_ERRORS as exc:
+                log.warning("progress not recorded yet (%s); retrying", type(exc).__name__)
+                self._pending.set()
+                self._urgent.set()
+                await backoff.sleep()
+                continue
+            if self._checkpoint is checkpoint:
+                self._checkpoint = None
+            self._written_at = time.monotonic()
+
+    async def _write(self, progress: Progress | None, checkpoint: CheckpointRecord | None
+                     ) -> None:
+        generation = (progress or checkpoint).generation if (progress or checkpoint) else 0
+        view = self.view
+        if view.generation != generation or not view.generation_mod_revision:
+            if generation < view.generation:
+                self.rejected += 1
+                return  # replaced: a newer generation's reports are what count
+            raise ConnectionError(f"the view has not seen generation {generation} yet")
+        puts = []
+        if checkpoint is not None:
+            puts.append(self.etcd.tx.put(self.keys.checkpoint, checkpoint.to_json()))
+        if progress is not None:
+            puts.append(self.etcd.tx.put(self.keys.progress, progress.to_json()))
+        ok, _ = await self.etcd.txn(
+            [self.etcd.tx.mod(self.keys.generation) == view.generation_mod_revision], puts)
+        if not ok:
+            self.rejected += 1
+            log.info("progress of generation %d refused: a newer generation exists", generation)

@@ -1,0 +1,105 @@
+"""Every process group of a generation is bounded by the job's timeout, not torch's 30 minutes.
+
+Four gloo ranks on a dp2 x tp2 mesh whose groups get a 3 s timeout while the default group has
+60 s. Rank 1 all-reduces on its TP group, whose other member (rank 0) never joins; rank 3 does
+the same on the checkpoint manager's group. Both must raise a gloo timeout after about 3 s.
+Meanwhile rank 0 waits for them in a default-group all-reduce, and its heartbeat thread must
+keep beating: gloo releases the interpreter lock while it waits.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from parallel.job import loads
+from parallel.layout import resolve
+
+pytestmark = pytest.mark.distributed
+
+SUB_TIMEOUT_S = 3.0
+JOB = '[data]\nsource = "python-stdlib"\n[parallel]\ntp = 2\n'
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rank(rank: int, port: int, out: str) -> None:
+    from checkpoint.durable import CheckpointManager
+    from parallel.mesh import build_mesh
+    from trainer.failure_kind import classify_failure
+    from trainer.heartbeat import Heartbeat
+
+    torch.set_num_threads(1)
+    store = dist.TCPStore("127.0.0.1", port, 4, is_master=rank == 0, timeout=timedelta(seconds=60))
+    dist.init_process_group(
+        "gloo", store=store, rank=rank, world_size=4, timeout=timedelta(seconds=60)
+    )
+    layout = resolve(loads(JOB), 4)
+    assert (layout.dp, layout.tp) == (2, 2)
+    sub = timedelta(seconds=SUB_TIMEOUT_S)
+    mesh = build_mesh(layout, "cpu", sub)
+    ckpt = CheckpointManager(Path(out) / "ckpt", 1, layout=layout.to_dict(), timeout=sub)
+    cpu = torch.device("cpu")
+    configured = {
+        name: mesh[name].get_group()._get_backend(cpu).options._timeout.total_seconds()
+        for name in ("pp", "dp", "cp", "tp")
+    }
+    configured["checkpoint"] = ckpt.group._get_backend(cpu).options._timeout.total_seconds()
+    result: dict = {"configured": configured}
+    beats: list[float] = []
+    heartbeat = None
+    if rank == 0:
+        heartbeat = Heartbeat(lambda *_: beats.append(time.monotonic()), print, interval_s=0.1)
+        heartbeat.start()
+    group = {1: mesh["tp"].get_group(), 3: ckpt.group}.get(rank)
+    if group is not None:
+        started = time.monotonic()
+        try:
+            dist.all_reduce(torch.ones(1), group=group)
+            result["error"] = None
+        except Exception as exc:  # noqa: BLE001 - the error is the result
+            result["error"] = f"{type(exc).__name__}: {exc}"
+            result["kind"] = classify_failure(result["error"])
+        result["seconds"] = time.monotonic() - started
+    # Rank 0 waits here for ranks 1 and 3, beating all along.
+    started = time.monotonic()
+    dist.all_reduce(torch.ones(1))
+    if heartbeat is not None:
+        heartbeat.stop()
+        result["waited"] = time.monotonic() - started
+        result["beats_while_waiting"] = sum(
+            started <= t <= started + result["waited"] for t in beats
+        )
+    (Path(out) / f"rank{rank}.json").write_text(json.dumps(result))
+    dist.destroy_process_group()
+
+
+def test_sub_groups_and_the_checkpoint_group_time_out(tmp_path: Path):
+    started = time.monotonic()
+    mp.start_processes(_rank, args=(_free_port(), str(tmp_path)), nprocs=4, start_method="spawn")
+    results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(4)]
+    for r in results:
+        assert set(r["configured"].values()) == {SUB_TIMEOUT_S}, r["configured"]
+    for rank in (1, 3):
+        r = results[rank]
+        assert r["error"] is not None, f"rank {rank}'s collective did not fail"
+        assert "Timed out" in r["error"], r["error"]
+        assert r["kind"] == "peer"
+        assert SUB_TIMEOUT_S * 0.8 <= r["seconds"] <= SUB_TIMEOUT_S * 2, r
+    waited, beats = results[0]["waited"], results[0]["beats_while_waiting"]
+    assert waited >= SUB_TIMEOUT_S * 0.8
+    # ~10 beats a second; a thread starved by a held interpreter lock would send about one
+    assert beats >= waited * 10 / 2, results[0]
+    assert time.monotonic() - started < 60

@@ -1,0 +1,161 @@
+"""HangDetector: heartbeat silence, phase deadlines, the step deadline from observed step times."""
+
+from __future__ import annotations
+
+import pytest
+
+from daemon.node.watchdog import HangDetector
+from parallel.job import FaultConfig
+
+pytestmark = pytest.mark.unit
+
+FAULT = FaultConfig()  # floor 10 s, factor 5, join 60 s, restore/first step 120 s, beat 5 s
+
+
+def beat_until(det: HangDetector, rank: int, phase: str, step: int, start: float, end: float,
+               generation: int = 1) -> None:
+    """Beat once a second from `start` to `end` inclusive without progress."""
+    t = start
+    while t <= end:
+        det.beat(rank, generation, phase, step, t)
+        t += 1.0
+
+
+def hung_ranks(det: HangDetector, now: float) -> list[int]:
+    return [rank for rank, _ in det.hung(now, FAULT)]
+
+
+def steady_steps(det: HangDetector, rank: int, seconds: float, count: int = 8) -> float:
+    """`count` completed steps of `seconds` each; returns the time of the last one."""
+    det.started(rank, 0.0)
+    det.beat(rank, 1, "step", 0, 0.0)
+    t = 0.0
+    for step in range(1, count + 1):
+        t += seconds
+        det.step_done(rank, step, seconds, t)
+        det.beat(rank, 1, "step", step, t)
+    return t
+
+
+def test_a_healthy_beating_worker_is_not_hung() -> None:
+    det = HangDetector()
+    det.started(0, 0.0)
+    beat_until(det, 0, "step", 0, 0.0, 30.0)
+    assert det.hung(30.5, FAULT) == []
+
+
+def test_heartbeat_silence_is_a_hang_in_any_phase() -> None:
+    for phase in ("idle", "join", "step"):
+        det = HangDetector()
+        det.started(0, 0.0)
+        det.beat(0, 1, phase, 0, 1.0)
+        assert det.hung(1.0 + FAULT.heartbeat_timeout_s - 0.1, FAULT) == []
+        ((rank, reason),) = det.hung(1.0 + FAULT.heartbeat_timeout_s + 0.1, FAULT)
+        assert rank == 0 and "heartbeat silent" in reason and phase in reason
+
+
+def test_a_worker_that_never_beats_has_the_join_deadline() -> None:
+    det = HangDetector()
+    det.started(3, 100.0)
+    assert det.hung(100.0 + FAULT.join_timeout_s - 1, FAULT) == []
+    ((rank, reason),) = det.hung(100.0 + FAULT.join_timeout_s + 1, FAULT)
+    assert rank == 3 and "no heartbeat" in reason
+
+
+@pytest.mark.parametrize(("phase", "limit"), [
+    ("join", FAULT.join_timeout_s),
+    ("restore", FAULT.restore_timeout_s),
+    ("checkpoint", FAULT.restore_timeout_s),
+    ("step", FAULT.first_step_timeout_s),  # no step time observed yet: the first step
+])
+def test_phase_deadlines(phase: str, limit: float) -> None:
+    det = HangDetector()
+    det.started(0, 0.0)
+    beat_until(det, 0, phase, 0, 0.0, limit + 2)
+    assert det.hung(limit - 0.5, FAULT) == []
+    ((rank, reason),) = det.hung(limit + 0.5, FAULT)
+    assert rank == 0 and f"in phase {phase}" in reason and f"deadline {limit:.1f}s" in reason
+
+
+def test_a_phase_change_is_progress() -> None:
+    det = HangDetector()
+    det.started(0, 0.0)
+    beat_until(det, 0, "join", 0, 0.0, 50.0)
+    beat_until(det, 0, "restore", 0, 51.0, 51.0 + FAULT.restore_timeout_s - 2)
+    # 170 s after start, far past the join deadline, but only 118 s into the restore.
+    assert det.hung(51.0 + FAULT.restore_timeout_s - 1.5, FAULT) == []
+
+
+def test_fast_steps_get_the_floor() -> None:
+    det = HangDetector()
+    last = steady_steps(det, 0, 0.05)
+    beat_until(det, 0, "step", 8, last + 1, last + 20)
+    assert det.hung(last + FAULT.hang_floor_s - 0.5, FAULT) == []
+    ((_, reason),) = det.hung(last + FAULT.hang_floor_s + 0.5, FAULT)
+    assert "deadline 10.0s" in reason and "at step 8" in reason
+
+
+def test_slow_steps_get_factor_times_the_median() -> None:
+    det = HangDetector()
+    last = steady_steps(det, 0, 30.0)
+    beat_until(det, 0, "step", 8, last + 1, last + 160)
+    assert det.hung(last + 149.0, FAULT) == []
+    ((_, reason),) = det.hung(last + 151.0, FAULT)
+    assert "deadline 150.0s" in reason
+
+
+def test_the_median_ignores_one_outlier() -> None:
+    det = HangDetector()
+    det.started(0, 0.0)
+    t = 0.0
+    for step, seconds in enumerate([30.0, 30.0, 400.0, 30.0, 30.0], start=1):
+        t += seconds
+        det.step_done(0, step, seconds, t)
+    beat_until(det, 0, "step", 5, t, t + 160)
+    assert hung_ranks(det, t + 151.0) == [0]
+
+
+def test_completed_steps_are_progress() -> None:
+    det = HangDetector()
+    last = steady_steps(det, 0, 2.0, count=100)  # 200 s of 2 s steps, never 10 s without one
+    assert det.hung(last + 1.0, FAULT) == []
+
+
+def test_idle_is_never_hung_while_beating() -> None:
+    det = HangDetector()
+    det.started(0, 0.0)
+    beat_until(det, 0, "idle", 0, 0.0, 10_000.0)
+    assert det.hung(10_000.5, FAULT) == []
+
+
+def test_a_peer_blocked_in_a_collective_is_hung_only_after_the_step_deadline() -> None:
+    det = HangDetector()
+    last = 0.0
+    for rank in (0, 1):
+        last = steady_steps(det, rank, 0.05)
+    # Rank 0 is stopped (silent); rank 1 waits for it in a collective and keeps beating.
+    beat_until(det, 1, "step", 8, last + 1, last + 30)
+    silent_at = last + FAULT.heartbeat_timeout_s + 0.5
+    assert hung_ranks(det, silent_at) == [0]
+    assert hung_ranks(det, last + FAULT.hang_floor_s - 0.5) == [0]
+    assert hung_ranks(det, last + FAULT.hang_floor_s + 0.5) == [0, 1]
+
+
+def test_forget_removes_a_rank() -> None:
+    det = HangDetector()
+    det.started(0, 0.0)
+    det.started(1, 0.0)
+    det.forget(0)
+    det.forget(7)  # unknown: no error
+    assert hung_ranks(det, FAULT.join_timeout_s + 1) == [1]
+    det.step_done(0, 1, 1.0, 1.0)  # a late report of a forgotten rank does not revive it
+    assert hung_ranks(det, FAULT.join_timeout_s + 1) == [1]
+
+
+def test_a_new_generation_is_progress() -> None:
+    det = HangDetector()
+    last = steady_steps(det, 0, 0.05)
+    beat_until(det, 0, "step", 8, last, last + 9)
+    beat_until(det, 0, "step", 0, last + 9.5, last + 15, generation=2)
+    # Generation 2 began at last + 9.5 (step 0 again): the step deadline counts from there.
+    assert det.hung(last + 15.5, FAULT) == []

@@ -1,0 +1,139 @@
+"""The worker's side of the agent's WorkerControl service (unix socket $ULTRA_AGENT_SOCKET).
+
+Every call has a deadline: an agent that is stopped or hung must never hold a worker, which
+would in turn hold its peers in their next collective. A call that misses its deadline, or
+fails in any other way, raises AgentUnreachable; during a generation that ends the generation.
+"""
+
+from __future__ import annotations
+
+import grpc
+
+from parallel.job import FaultConfig
+from proto.ultrascale.v1 import agent_pb2 as pb
+from proto.ultrascale.v1 import agent_pb2_grpc as pb_grpc
+from trainer.loop import StepResult
+
+# Beyond the long poll's own wait: the agent's answer and the socket's round trip.
+LONG_POLL_MARGIN_S = 5.0
+
+
+class AgentUnreachable(RuntimeError):
+    """A WorkerControl call failed or missed its deadline."""
+
+
+def rpc_timeout(fault: FaultConfig) -> float:
+    """Deadline of one worker-to-agent call, in seconds.
+
+    The agent stops trusting a worker silent for heartbeat_timeout_s; the worker trusts its
+    agent as long. Capped at half the hang floor: a worker stuck on its agent holds its peers in
+    the next collective, and it should leave the world (failing their collective at once, as a
+    peer failure) well before their agents' watchdogs call those healthy ranks hung.
+    """
+    return min(fault.heartbeat_timeout_s, fault.hang_floor_s / 2)
+
+
+class AgentLink:
+    """Typed, deadline-bound WorkerControl calls for one local rank."""
+
+    def __init__(self, socket_path: str, local_rank: int, fault: FaultConfig | None = None) -> None:
+        self.channel = grpc.insecure_channel(f"unix:{socket_path}")
+        self.stub = pb_grpc.WorkerControlStub(self.channel)
+        self.local_rank = local_rank
+        self.use(fault or FaultConfig())  # before the first plan the job's are unknown
+
+    def use(self, fault: FaultConfig) -> None:
+        """Adopt the deadlines of the job of the generation being joined."""
+        self.fault = fault
+        self.timeout_s = rpc_timeout(fault)
+
+    def close(self) -> None:
+        self.channel.close()
+
+    def _call(self, name: str, request, timeout: float | None = None):
+        try:
+            return getattr(self.stub, name)(request, timeout=timeout or self.timeout_s)
+        except grpc.RpcError as exc:
+            code = exc.code().name if hasattr(exc, "code") else "UNKNOWN"
+            raise AgentUnreachable(f"agent unreachable: {name} failed ({code})") from None
+
+    def next_generation(self, after: int, wait_s: float = 30.0) -> pb.GenerationPlan:
+        """Long-poll until a generation newer than `after` (or exit) is known."""
+        while True:
+            reply = self._call(
+                "GetGeneration",
+                pb.GenerationRequest(
+                    after_generation=after, local_rank=self.local_rank, wait_seconds=wait_s
+                ),
+                timeout=wait_s + LONG_POLL_MARGIN_S,
+            )
+            if reply.exit or reply.changed:
+                return reply
+
+    def heartbeat(self, generation: int, phase: str, step: int, timeout: float) -> None:
+        self._call(
+            "Heartbeat",
+            pb.HeartbeatRequest(
+                local_rank=self.local_rank, generation=generation, phase=phase, step=step
+            ),
+            timeout=timeout,
+        )
+
+    def report_step(self, gp: pb.GenerationPlan, r: StepResult, dp: int) -> pb.StepReply:
+        report = pb.StepReport(
+            generation=gp.generation,
+            global_rank=gp.global_rank,
+            local_rank=self.local_rank,
+            step=r.step,
+            loss=r.loss,
+            tokens=r.tokens,
+            consumed_samples=r.consumed_samples,
+            step_seconds=r.step_seconds,
+            world_size=gp.world_size,
+            dp=dp,
+            recompute_seconds=r.recompute_seconds,
+            recompute_ratio=r.recompute_ratio,
+        )
+        if r.bubble_ratio_measured is not None:  # pipeline parallelism only
+            report.bubble_ratio = r.bubble_ratio_measured
+        return self._call("ReportStep", report)
+
+    def report_failure(self, gp: pb.GenerationPlan, message: str, kind: str, step: int) -> None:
+        self._call(
+            "ReportFailure",
+            pb.FailureReport(
+                generation=gp.generation,
+                global_rank=gp.global_rank,
+                local_rank=self.local_rank,
+                message=message,
+                kind=kind,
+                step=step,
+            ),
+        )
+
+    def report_checkpoint(self, gp: pb.GenerationPlan, step: int, path: str) -> None:
+        self._call(
+            "ReportCheckpoint",
+            pb.CheckpointReport(
+                generation=gp.generation,
+                global_rank=gp.global_rank,
+                local_rank=self.local_rank,
+                step=step,
+                path=path,
+            ),
+        )
+
+    def report_done(
+        self, gp: pb.GenerationPlan, step: int, consumed_samples: int, *, stopped: bool
+    ) -> None:
+        self._call(
+            "ReportDone",
+            pb.DoneReport(
+                generation=gp.generation,
+                global_rank=gp.global_rank,
+                local_rank=self.local_rank,
+                step=step,
+                consumed_samples=consumed_samples,
+                stopped=stopped,
+            ),
+        )

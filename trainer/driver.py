@@ -1,0 +1,185 @@
+"""One generation of training on a formed world, shared by both entries.
+
+The torchrun entry (`trainer.run`) and the agent's persistent worker (`trainer.worker`) differ
+in how they join a world and who decides when to stop; everything between (where checkpoints
+live, restoring the newest valid one, periodic and final saves, the steps.jsonl record) is
+here, so the two cannot drift apart.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from collections.abc import Callable
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+
+from checkpoint.durable import CheckpointManager
+from parallel.job import JobConfig
+from parallel.layout import Layout
+from trainer.loop import StepResult, Trainer
+
+
+def _stderr(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def select_device(local_rank: int) -> tuple[torch.device, str, str]:
+    """(device, process-group backend, mesh device type) for this local rank."""
+    if torch.cuda.is_available():
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+        # gloo for the CPU side too: async checkpoint uploads collect on CPU.
+        return device, "cpu:gloo,cuda:nccl", "cuda"
+    return torch.device("cpu"), "gloo", "cpu"
+
+
+def output_dir(job: JobConfig) -> Path | None:
+    """job.output_dir, or None when the job does not set one."""
+    return Path(job.job.output_dir).expanduser() if job.job.output_dir else None
+
+
+def checkpoint_root(job: JobConfig) -> Path | None:
+    """Where the job's checkpoints live; None when checkpointing is off.
+
+    A relative checkpoint.dir is under job.output_dir when the job sets one (a daemon-run job's
+    output stays together), else relative to the working directory.
+    """
+    if not job.checkpoint.dir:
+        return None
+    root = Path(job.checkpoint.dir).expanduser()
+    out = output_dir(job)
+    return root if root.is_absolute() or out is None else out / root
+
+
+class StepLog:
+    """steps.jsonl: one line per completed step, appended by global rank 0 only.
+
+    A step re-run after a failure is appended again; its last line is the committed one.
+    """
+
+    def __init__(self, directory: Path) -> None:
+        directory.mkdir(parents=True, exist_ok=True)
+        self.path = directory / "steps.jsonl"
+
+    def append(self, r: StepResult, generation: int, world_size: int, dp: int) -> None:
+        line = json.dumps(
+            {
+                "step": r.step,
+                "loss": r.loss,
+                "consumed_samples": r.consumed_samples,
+                "generation": generation,
+                "world_size": world_size,
+                "dp": dp,
+                "step_seconds": round(r.step_seconds, 6),
+                "time": time.time(),
+            }
+        )
+        with self.path.open("a") as f:
+            f.write(line + "\n")
+
+
+class GenerationDriver:
+    """Build, restore, step and checkpoint one generation; the caller decides when to stop.
+
+    `last_step` is where this run ends (train.steps for the daemon, --steps for torchrun): its
+    state is always checkpointed when checkpointing is on, so nothing trained is lost.
+    """
+
+    def __init__(
+        self,
+        job: JobConfig,
+        layout: Layout,
+        mesh: DeviceMesh,
+        device: torch.device,
+        *,
+        timeout: timedelta,
+        last_step: int,
+        generation: int = 0,
+        step_log: Path | None = None,
+        log: Callable[[str], None] = _stderr,
+    ) -> None:
+        self.job, self.layout, self.last_step, self.generation = job, layout, last_step, generation
+        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+        self.trainer = Trainer(job, layout, mesh, device)
+        root = checkpoint_root(job)
+        self.ckpt = (
+            CheckpointManager(
+                root, job.checkpoint.keep, layout=layout.to_dict(), timeout=timeout, log=log
+            )
+            if root is not None
+            else None
+        )
+        self.steps = StepLog(step_log) if step_log is not None and self.rank == 0 else None
+        self._saved_step = -1
+        self._reported = 0  # commits returned by new_commits
+
+    @property
+    def step(self) -> int:
+        """Steps completed (restored ones included)."""
+        return self.trainer.progress.step
+
+    @property
+    def consumed_samples(self) -> int:
+        return self.trainer.progress.consumed_samples
+
+    def restore(self) -> Path | None:
+        """Load the newest valid checkpoint, if any; every rank loads rank 0's choice."""
+        if self.ckpt is None:
+            return None
+        loaded = self.ckpt.load_latest(self.trainer.state)
+        if loaded is not None:
+            self._saved_step = self.step
+        return loaded
+
+    def train_step(self) -> StepResult:
+        return self.trainer.train_step()
+
+    def commit(self, result: StepResult) -> None:
+        """Record a step the ranks agreed to keep (a step abandoned for a newer generation is
+        not committed: the next generation runs it again from its restore point)."""
+        if self.steps is not None:
+            self.steps.append(result, self.generation, self.world_size, self.layout.dp)
+
+    def checkpoint_due(self, step: int) -> bool:
+        """A periodic (checkpoint.every) or final checkpoint is due after `step`."""
+        every = self.job.checkpoint.every
+        return self.ckpt is not None and (
+            step == self.last_step or bool(every and step % every == 0)
+        )
+
+    def save(self) -> None:
+        """Checkpoint the current step in the background (once per step)."""
+        if self.ckpt is not None and self._saved_step != self.step:
+            self.ckpt.save_async(self.trainer.state)
+            self._saved_step = self.step
+
+    def save_durably(self) -> None:
+        """Checkpoint the current step and return once its manifest is written.
+
+        The closing barrier makes that true on every rank, not just rank 0 (which writes the
+        manifest), so any rank may report the checkpoint as durable.
+        """
+        if self.ckpt is None:
+            return
+        self.save()
+        self.ckpt.wait()
+        dist.barrier()
+
+    def wait(self) -> None:
+        """Let the pending background checkpoint finish."""
+        if self.ckpt is not None:
+            self.ckpt.wait()
+
+    def new_commits(self) -> list[tuple[int, Path]]:
+        """(step, path) of each checkpoint committed since the last call; rank 0 only."""
+        if self.ckpt is None:
+            return []
+        commits = self.ckpt.commits[self._reported :]
+        self._reported += len(commits)
+        return commits

@@ -1,0 +1,51 @@
+"""Whose fault a failed generation is: another rank's ("peer") or this rank's own ("local").
+
+The agent blames nobody here for a peer failure (the rank that is gone or hung is elsewhere)
+and this node for a local one (its data, disk, or a bug). The error text is all a worker keeps
+of an exception (the exception itself pins the old process group), so the decision is made on
+"TypeName: message", as the worker reports it.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Literal
+
+Kind = Literal["peer", "local"]
+
+# torch.distributed's own error types for a broken rendezvous or store connection, and this
+# worker's for an agent that stopped answering.
+PEER_TYPES = ("DistNetworkError", "DistStoreError", "AgentUnreachable")
+
+PEER_PATTERNS = re.compile(
+    "|".join(
+        (
+            # gloo (third_party/gloo/gloo/transport/tcp): a peer's socket went away or stalled
+            r"connection closed by peer",
+            r"connection reset by peer",
+            r"broken pipe",
+            r"timed out waiting \d+ ?ms for (recv|send) operation",
+            r"socket timeout",
+            r"\b(read|write) error \[",
+            # c10d TCPStore and rendezvous
+            r"client socket has timed out",
+            r"wait timeout after \d+ ?ms",
+            r"connection refused",
+            r"failed to recv, got 0 bytes",
+            # nccl (ProcessGroupNCCL / NCCLUtils)
+            r"watchdog caught collective operation timeout",
+            r"nccl communicator was aborted",
+            r"remote process exited",
+            r"ncclremoteerror",
+        )
+    ),
+    re.IGNORECASE,
+)
+
+
+def classify_failure(text: str) -> Kind:
+    """'peer' for a failed collective, rendezvous, store or agent call; 'local' otherwise."""
+    error_type = text.split(":", 1)[0].strip()
+    if error_type in PEER_TYPES or PEER_PATTERNS.search(text):
+        return "peer"
+    return "local"
