@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import random
 import time
 
 from daemon import __version__
@@ -43,8 +44,6 @@ from proto.ultrascale.v1 import agent_pb2 as pb
 
 log = logging.getLogger(__name__)
 
-_NODE_OPS = {ControlOp.DRAIN: NodeState.DRAINING, ControlOp.CORDON: NodeState.CORDONED,
-             ControlOp.UNCORDON: NodeState.READY}
 
 
 class Agent:
@@ -93,6 +92,9 @@ class Agent:
         self.view.subscribe(self._on_view)
         await self.etcd.connect()
         spawn = self.tasks.spawn
+        # A leader hosts c10d stores: import torch.distributed in the background now rather
+        # than inside the first generation change (the import takes seconds).
+        spawn(asyncio.to_thread(StoreHost.preload), "preload-torch", long_lived=False)
         spawn(self.view.run(), "view")
         spawn(self.membership.run(), "membership")
         spawn(self._leadership(), "leadership")
@@ -182,17 +184,23 @@ class Agent:
             await self.supervisor.kill_all()
 
     async def _outage_check(self) -> str | None:
-        """None when every other member is cut off from etcd too; else why this node must fence."""
-        peers = {name: m.record.address for name, m in self.view.nodes.items()
-                 if name != self.node_id}
-        if not peers:
-            return None
-        answers = await asyncio.gather(*(self.io.etcd_health(a) for a in peers.values()))
-        for node, answer in zip(peers, answers, strict=True):
-            if answer is None:
-                return f"{node} did not answer"
-            if answer:
-                return f"{node} still reaches etcd"
+        """None when every other member is cut off from etcd too; else why this node must fence.
+
+        A few random peers are asked first: when etcd is fine for them (the common case: only
+        our own acknowledgements are late) one answer settles it, and N agents whose loops lag
+        at once do not flood each other with N² calls. Only if they are all cut off too is
+        everyone asked, since holding on needs every peer's word.
+        """
+        peers = [(name, m.record.address) for name, m in self.view.nodes.items()
+                 if name != self.node_id]
+        random.shuffle(peers)
+        for batch in (peers[:3], peers[3:]):
+            answers = await asyncio.gather(*(self.io.etcd_health(a) for _, a in batch))
+            for (node, _), answer in zip(batch, answers, strict=True):
+                if answer is None:
+                    return f"{node} did not answer"
+                if answer:
+                    return f"{node} still reaches etcd"
         return None
 
     async def _etcd_health(self) -> None:
@@ -247,7 +255,7 @@ class Agent:
         for request_id, request in list(self.view.control.items()):
             if request.node != self.node_id or not request.op.node_op:
                 continue
-            state = _NODE_OPS[request.op]
+            state = request.op.node_state
             try:
                 if self.membership.record.state != state:
                     await self.membership.set_state(state)

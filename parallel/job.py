@@ -8,6 +8,7 @@ without importing torch. Every error names the offending field, e.g.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import sys
 import types
 import typing
@@ -182,10 +183,17 @@ def _coerce(name: str, tp: Any, value: Any) -> Any:
     raise ConfigError(f"{name} must be {_type_name(tp)} (got {type(value).__name__} {value!r})")
 
 
+@functools.cache
+def _type_hints(cls: type) -> dict[str, Any]:
+    # Resolving string annotations is the slow part of parsing a plan, which every agent does
+    # on every generation; the sections are a fixed set of classes.
+    return typing.get_type_hints(cls)
+
+
 def _build_section(section: str, cls: type, values: Mapping[str, Any]) -> Any:
     if not isinstance(values, Mapping):
         raise ConfigError(f"{section} must be a table (got {type(values).__name__})")
-    hints = typing.get_type_hints(cls)
+    hints = _type_hints(cls)
     known = {f.name for f in dataclasses.fields(cls)}
     for key in values:
         if key not in known:

@@ -11,11 +11,13 @@ from __future__ import annotations
 import re
 from typing import Literal
 
-Kind = Literal["peer", "local"]
+Kind = Literal["peer", "local", "storage"]
 
 # torch.distributed's own error types for a broken rendezvous or store connection, and this
 # worker's for an agent that stopped answering.
-PEER_TYPES = ("DistNetworkError", "DistStoreError", "AgentUnreachable")
+PEER_TYPES = ("DistNetworkError", "DistStoreError", "AgentUnreachable", "PeerStorageNotShared")
+# A checkpoint directory this rank cannot see: no retry can fix it (trainer/shared_storage.py).
+STORAGE_TYPES = ("StorageNotShared",)
 
 PEER_PATTERNS = re.compile(
     "|".join(
@@ -44,8 +46,11 @@ PEER_PATTERNS = re.compile(
 
 
 def classify_failure(text: str) -> Kind:
-    """'peer' for a failed collective, rendezvous, store or agent call; 'local' otherwise."""
+    """'peer' for a failed collective, rendezvous, store or agent call; 'storage' for a
+    checkpoint directory that is not shared; 'local' otherwise."""
     error_type = text.split(":", 1)[0].strip()
+    if error_type in STORAGE_TYPES:
+        return "storage"
     if error_type in PEER_TYPES or PEER_PATTERNS.search(text):
         return "peer"
     return "local"

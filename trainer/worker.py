@@ -43,10 +43,11 @@ from parallel.planner import Plan
 from proto.ultrascale.v1 import agent_pb2 as pb
 from trainer.agent_link import AgentLink, AgentUnreachable
 from trainer.agreement import agree, decide
-from trainer.driver import GenerationDriver, output_dir, select_device
+from trainer.driver import GenerationDriver, checkpoint_root, output_dir, select_device
 from trainer.failure_kind import classify_failure
 from trainer.fault_injection import FaultInjection
 from trainer.heartbeat import Heartbeat
+from trainer.shared_storage import check_shared
 from trainer.teardown import leave_world
 
 PR_SET_PDEATHSIG = 1
@@ -117,6 +118,9 @@ class Generation:
         join_world(gp, backend, timeout)
         mesh = build_mesh(layout, device_type, timeout)
         self.beat.update(gp.generation, "restore", 0)
+        root = checkpoint_root(job)
+        if root is not None:
+            check_shared(root, gp.store_prefix, os.environ.get("ULTRA_NODE_ID", "?"))
         driver = GenerationDriver(
             job,
             layout,

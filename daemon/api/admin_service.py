@@ -22,8 +22,6 @@ from proto.ultrascale.v1 import agent_pb2_grpc as pb_grpc
 # etcd refuses requests over --max-request-bytes (1.5 MiB by default); keep room for the
 # transaction around the value.
 MAX_SPEC_BYTES = 1024 * 1024
-_NODE_OPS = {ControlOp.DRAIN: NodeState.DRAINING, ControlOp.CORDON: NodeState.CORDONED,
-             ControlOp.UNCORDON: NodeState.READY}
 
 
 class AdminHost(Protocol):
@@ -134,7 +132,7 @@ class AdminService(pb_grpc.AgentServicer):
             members = ", ".join(sorted(view.nodes)) or "none"
             await context.abort(grpc.StatusCode.NOT_FOUND,
                                 f"node: unknown node {node!r} (members: {members})")
-        target = _NODE_OPS[op]
+        target = op.node_state
         request_id = f"{op.value}-{uuid.uuid4().hex[:12]}"
         key = self.host.keys.control_request(request_id)
         await self.host.etcd.put(key, ControlRequest(op=op, node=node, time=time.time())

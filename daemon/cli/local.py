@@ -45,6 +45,8 @@ class LocalCluster:
     ttl: int = 3
     namespace: str = "local"
     extra_agent_args: list[str] = field(default_factory=list)
+    # Per node, a command the agent runs under (e.g. `unshare` for a mount namespace of its own).
+    launch_prefix: dict[str, list[str]] = field(default_factory=dict)
     etcd: EtcdServer | None = None
     agents: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
     token_file: Path = Path()
@@ -64,7 +66,8 @@ class LocalCluster:
         node_dir = self.state_dir / node
         node_dir.mkdir(parents=True, exist_ok=True)
         (node_dir / "agent.json").unlink(missing_ok=True)
-        args = [sys.executable, "-m", "daemon.cli.ultrad", "--etcd", self.etcd.endpoint,
+        args = [*self.launch_prefix.get(node, []), sys.executable, "-m", "daemon.cli.ultrad",
+                "--etcd", self.etcd.endpoint,
                 "--node-id", node, "--devices", str(self.devices_per_node),
                 "--listen", "127.0.0.1:0", "--metrics-listen", "127.0.0.1:0",
                 "--state-dir", str(node_dir), "--token-file", str(self.token_file),

@@ -25,13 +25,10 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping
-from dataclasses import dataclass, field
-from typing import Union
 
 from daemon.control.crash_loop import crash_loop_verdict, retry_delay
 from daemon.control.records import (
     IMPLICATING,
-    CheckpointRecord,
     ControlOp,
     ControlRequest,
     Cordon,
@@ -41,91 +38,23 @@ from daemon.control.records import (
     JobState,
     JobStatus,
     NodeState,
-    Progress,
+)
+from daemon.control.snapshot import (
+    Action,
+    ConsumeRequests,
+    CordonNodes,
+    Decision,
+    MemberInfo,
+    ProbeNodes,
+    SetDirective,
+    SetStatus,
+    Snapshot,
+    StartGeneration,
 )
 from parallel.job import FaultConfig, JobConfig
 from parallel.planner import NodeInfo, Plan, PlanError, plan_generation
 
 _MAX_CAUSE = 500  # characters of a cause kept in the status
-
-
-@dataclass(frozen=True)
-class MemberInfo:
-    devices: int
-    state: NodeState = NodeState.READY
-
-
-@dataclass(frozen=True)
-class ProbeResult:
-    alive: bool
-    at: float
-
-
-@dataclass(frozen=True)
-class Snapshot:
-    """What the leader knows at `now` (its own wall clock)."""
-
-    now: float
-    ttl: float
-    job: JobConfig | None
-    spec_revision: int = 0
-    members: Mapping[str, MemberInfo] = field(default_factory=dict)
-    cordons: Mapping[str, Cordon] = field(default_factory=dict)
-    plan: Plan | None = None
-    progress: Progress = field(default_factory=Progress)
-    checkpoint: CheckpointRecord = field(default_factory=CheckpointRecord)
-    directive: Directive = field(default_factory=Directive)
-    status: JobStatus = field(default_factory=JobStatus)
-    control: Mapping[str, ControlRequest] = field(default_factory=dict)
-    # Members of the running generation without a node key, since when (leader's clock), and
-    # the latest probe of each.
-    missing_since: Mapping[str, float] = field(default_factory=dict)
-    probes: Mapping[str, ProbeResult] = field(default_factory=dict)
-
-
-@dataclass(frozen=True)
-class SetStatus:
-    status: JobStatus
-
-
-@dataclass(frozen=True)
-class SetDirective:
-    directive: Directive
-
-
-@dataclass(frozen=True)
-class StartGeneration:
-    """Write the next generation: `plan` has no number or store yet (the leader assigns them)."""
-
-    plan: Plan
-    reason: str
-
-
-@dataclass(frozen=True)
-class CordonNodes:
-    cordons: tuple[Cordon, ...]
-
-
-@dataclass(frozen=True)
-class ProbeNodes:
-    """Health-check these agents; revoke the lease of any that does not answer."""
-
-    nodes: tuple[str, ...]
-
-
-@dataclass(frozen=True)
-class ConsumeRequests:
-    ids: tuple[str, ...]
-
-
-Action = Union[SetStatus, SetDirective, StartGeneration, CordonNodes, ProbeNodes,  # noqa: UP007
-               ConsumeRequests]
-
-
-@dataclass(frozen=True)
-class Decision:
-    actions: tuple[Action, ...] = ()
-    wake_at: float | None = None  # look again at this time even if nothing changes
 
 
 def boundary_timeout(fault: FaultConfig) -> float:
@@ -220,6 +149,8 @@ class _Decider:
                 if self.plan is not None:
                     self.directive = dataclasses.replace(
                         self.directive, checkpoint_seq=self.directive.checkpoint_seq + 1)
+            elif req.op == ControlOp.FAILURE and req.kind == FailureKind.STORAGE:
+                self._set(JobState.FAILED, req.message)  # it names the node and the path
             elif req.op == ControlOp.FAILURE:
                 probe |= self._record_failure(req)
             else:

@@ -83,7 +83,9 @@ class Etcd:
         self.timeout = timeout
         self.client = aetcd.Client(
             host=host, port=last_port, timeout=timeout,
-            options={"grpc.keepalive_time_ms": 2000, "grpc.keepalive_timeout_ms": 2000,
+            # etcd answers pings more often than every 5 s (--grpc-keepalive-min-time) with
+            # GOAWAY too_many_pings, dropping a connection that only holds a watch.
+            options={"grpc.keepalive_time_ms": 10000, "grpc.keepalive_timeout_ms": 5000,
                      "grpc.keepalive_permit_without_calls": 1,
                      "grpc.initial_reconnect_backoff_ms": 100,
                      "grpc.max_reconnect_backoff_ms": 1000},

@@ -17,7 +17,11 @@ import time
 import uuid
 from collections.abc import Awaitable, Callable
 
-from daemon.control.decide import (
+from daemon.control.decide import decide
+from daemon.control.election import Election, FencedConflict, NotLeader
+from daemon.control.etcd_client import ETCD_ERRORS, Etcd
+from daemon.control.keys import Keys
+from daemon.control.snapshot import (
     Action,
     ConsumeRequests,
     CordonNodes,
@@ -28,11 +32,7 @@ from daemon.control.decide import (
     SetStatus,
     Snapshot,
     StartGeneration,
-    decide,
 )
-from daemon.control.election import Election, FencedConflict, NotLeader
-from daemon.control.etcd_client import ETCD_ERRORS, Etcd
-from daemon.control.keys import Keys
 from daemon.control.store_host import StoreHost
 from daemon.control.view import ClusterView
 from daemon.tasks import Backoff
@@ -85,6 +85,7 @@ class Leader:
         self._missing_since.clear()
         self._probes.clear()
         wake_at: float | None = None
+        again = False
         backoff = Backoff(initial=0.1, maximum=self.ttl / 2)
         while self.election.is_leader:
             timeout = self.ttl if wake_at is None else max(0.0, min(self.ttl,
@@ -97,13 +98,18 @@ class Leader:
                 self.election.drop(f"leader key now held by {held[0]}")
                 return
             self._wake.clear()
-            await asyncio.sleep(self.debounce_s)
+            if not again:
+                # Let a burst of changes (joins) settle into one decision; the follow-up of our
+                # own actions needs no such wait.
+                await asyncio.sleep(self.debounce_s)
+            again = False
             try:
                 decision = decide(self.snapshot())
                 wake_at = decision.wake_at
                 for action in decision.actions:
                     await self._perform(action)
                 if decision.actions:
+                    again = True
                     self._wake.set()  # see the consequences
                 backoff.reset()
             except NotLeader as exc:

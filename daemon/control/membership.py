@@ -103,15 +103,16 @@ class Membership:
         assert keepalive is not None
         task = asyncio.create_task(keepalive.run(), name="keepalive")
         check: asyncio.Task[str | None] | None = None
+        back_since = 0.0  # holding, and peers say etcd is back: since when
         try:
             while not self._leaving:
                 now = time.monotonic()
                 if keepalive.expired.is_set():
                     return _REATTACH if self.holding_since else "etcd says my lease expired"
-                if now < keepalive.deadline - self.ttl / 2:
+                if now < keepalive.deadline - self.ttl / 3:
                     if self.holding_since:
                         log.warning("etcd is back after %.1fs", now - self.holding_since)
-                    self.holding_since = 0.0
+                    self.holding_since = back_since = 0.0
                     check = None
                 elif check is None or check.done():
                     # Ask early and keep asking: peers whose keepalives stopped a moment after
@@ -119,15 +120,25 @@ class Membership:
                     check = asyncio.create_task(self._check_outage(), name="outage-check")
                 if now >= keepalive.deadline:
                     verdict = await check if check is not None else "no outage check"
-                    if verdict is not None:
+                    check = None
+                    if verdict is not None and not self.holding_since:
                         return f"no keepalive acknowledged for {self.ttl}s ({verdict})"
+                    if verdict is not None:
+                        # Holding, and a peer reaches etcd again: our own keepalive may just be
+                        # reconnecting. Allow it one TTL, well inside the two TTLs the leader
+                        # grants a member that answers its probe, then fence.
+                        back_since = back_since or now
+                        if now - back_since > self.ttl:
+                            return f"etcd is back for others but not for me ({verdict})"
+                        await asyncio.sleep(min(0.1, self.ttl / 20))
+                        continue
+                    back_since = 0.0
                     if not self.holding_since:
                         self.holding_since = now
                         log.warning("etcd is unreachable for every peer too: keeping the "
                                     "workers running for up to %.0fs", self.outage_s)
                     if now - self.holding_since > self.outage_s:
                         return f"etcd unreachable for more than {self.outage_s:.0f}s"
-                    check = None
                 await asyncio.sleep(min(0.1, self.ttl / 20))
             return "leaving"
         finally:

@@ -179,10 +179,11 @@ class FailureKind(str, enum.Enum):
     LOCAL = "local"          # a worker's own error: data, disk, a bug (node implicated)
     PEER = "peer"            # a collective failed because of another rank (nobody implicated)
     LOST = "lost"            # a member's agent is gone (node implicated)
+    STORAGE = "storage"      # the node cannot see the shared checkpoint dir: no retry helps
 
 
 IMPLICATING = frozenset({FailureKind.EXIT, FailureKind.HANG, FailureKind.LOCAL,
-                         FailureKind.LOST})
+                         FailureKind.LOST, FailureKind.STORAGE})
 
 
 @dataclass(frozen=True)
@@ -222,6 +223,12 @@ class ControlOp(str, enum.Enum):
     def node_op(self) -> bool:
         """Applied by the node it names rather than by the leader."""
         return self in (ControlOp.DRAIN, ControlOp.CORDON, ControlOp.UNCORDON)
+
+    @property
+    def node_state(self) -> NodeState:
+        """The state a node op puts its node in."""
+        return {ControlOp.DRAIN: NodeState.DRAINING, ControlOp.CORDON: NodeState.CORDONED,
+                ControlOp.UNCORDON: NodeState.READY}[self]
 
 
 @dataclass(frozen=True)

@@ -2,8 +2,8 @@
 
 A store outlives any worker, so a failing worker never takes the rendezvous down with it, and
 a fresh port per generation keeps a straggler of the old generation from ever reaching the new
-one (docs/architecture.md, "Generations"). torch is imported lazily, in a thread, so the agent
-starts fast and its event loop (keepalives!) keeps running while torch loads.
+one (docs/architecture.md, "Generations"). torch is imported in a thread when the agent starts
+(`preload`), so the first generation change does not wait for it.
 """
 
 from __future__ import annotations
@@ -26,6 +26,11 @@ class StoreHost:
         for old in sorted(self._stores)[:-self.keep]:
             del self._stores[old]
         return int(store.port)
+
+    @staticmethod
+    def preload() -> None:
+        """Import torch.distributed (slow) ahead of the first generation."""
+        import torch.distributed  # noqa: F401
 
     def _start(self) -> Any:
         from torch.distributed import TCPStore

@@ -10,7 +10,7 @@ import time
 import pytest
 
 from daemon.control.election import Election, FencedConflict, NotLeader
-from daemon.control.etcd_client import Etcd
+from daemon.control.etcd_client import ETCD_ERRORS, Etcd
 from daemon.control.keys import Keys
 from daemon.control.leader import Leader
 from daemon.control.records import Directive
@@ -183,14 +183,20 @@ def test_etcd_killed_and_restarted_agents_rewatch(cluster: Cluster) -> None:
         wait_until(lambda n=node: cluster.status(n).world_size == 2, 10, f"{node} sees world 2")
         assert cluster.status(node).generation > generation
     assert cluster.status().nodes == 3
-    # Killed for longer than a TTL: every agent fences itself, then re-joins with a new lease.
+    # Killed for longer than a TTL: every agent finds every peer cut off too, so nobody can
+    # change membership; they hold on (no fencing, workers would keep training) and re-attach.
+    generation = cluster.status("a").generation
+    before = {n: len(cluster.agents[n].log) for n in ("a", "b", "c")}
     cluster.etcd.kill()
     time.sleep(TTL + 1.0)
     cluster.etcd.start()
     wait_until(lambda: all(cluster.status(n).nodes == 3 for n in ("a", "b", "c")), 15,
-               "all agents re-joined")
+               "all agents re-attached")
     for node in ("a", "b", "c"):
-        assert "fencing myself" in cluster.agents[node].log
+        log = cluster.agents[node].log[before[node]:]
+        assert "etcd is unreachable for every peer too" in log, log[-2000:]
+        assert "fencing myself" not in log, log[-2000:]
+    assert all(cluster.status(n).generation == generation for n in ("a", "b", "c"))
     wait_until(lambda: cluster.status("a").leader != "", 10, "a leader again")
     _assert_generations_unique(cluster)
 
@@ -218,3 +224,44 @@ def test_sigterm_leaves_at_once(cluster: Cluster) -> None:
     t0 = time.monotonic()
     wait_until(lambda: cluster.status("a").world_size == 1, 5, "world 1")
     assert time.monotonic() - t0 < TTL
+
+
+def test_view_follows_an_etcd_whose_revision_went_backwards(etcd) -> None:
+    """etcd restored from an older state (here: wiped and restarted on the same ports): the
+    revision and the generation number go backwards, and the view must follow, not ignore it."""
+    import shutil
+
+    job = jobmod.loads(TINY_JOB)
+    keys = Keys("restored")
+
+    def plan(number: int) -> bytes:
+        return plan_generation(job, [NodeInfo("a", 1)], number, ("h", 1)).to_json().encode()
+
+    async def scenario() -> None:
+        e = Etcd(etcd.endpoint, timeout=2)
+        view = ClusterView(e, keys, retry_s=0.05)
+        task = asyncio.create_task(view.run())
+        try:
+            for number in range(1, 6):
+                await e.put(keys.generation, plan(number))
+            assert await view.wait_for(lambda: view.generation == 5, 10)
+            high = view.revision
+            etcd.kill()
+            shutil.rmtree(etcd.data_dir)
+            etcd.start()
+            for _ in range(100):  # the client reconnects to the new etcd
+                try:
+                    await e.put(keys.generation, plan(2))  # a "restored", shorter history
+                    break
+                except ETCD_ERRORS:
+                    await asyncio.sleep(0.1)
+            assert await view.wait_for(lambda: view.generation == 2, 15), view.generation
+            assert view.plan is not None and view.plan.generation == 2
+            assert view.revision < high
+            await e.put(keys.generation, plan(3))  # and it keeps following from there
+            assert await view.wait_for(lambda: view.generation == 3, 10)
+        finally:
+            task.cancel()
+            await e.close()
+
+    asyncio.run(scenario())

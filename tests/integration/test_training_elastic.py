@@ -71,14 +71,15 @@ def _descendants(pid: int) -> list[int]:
 class Elastic:
     """A LocalCluster plus the job's paths and the calls the tests make."""
 
-    def __init__(self, root: Path, token_file: Path, nodes: int) -> None:
+    def __init__(self, root: Path, token_file: Path, nodes: int, every: int = 4,
+                 keep: int = 2) -> None:
         self.root = root
         self.cluster = LocalCluster(root / "state", nodes, 1, ttl=TTL)
         self.output = root / "output"
         self.job_path = root / "job.toml"
         self.job_path.write_text(small_job_text(
             token_file, job={"name": "elastic"}, train={"steps": STEPS},
-            checkpoint={"dir": "checkpoints", "every": 4}))
+            checkpoint={"dir": "checkpoints", "every": every, "keep": keep}))
         self.workers: set[int] = set()  # every worker pid seen, killed at the end if still alive
 
     @property
@@ -178,8 +179,8 @@ def elastic(tmp_path: Path, token_file: Path, monkeypatch: pytest.MonkeyPatch):
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     made: list[Elastic] = []
 
-    def make(nodes: int) -> Elastic:
-        e = Elastic(tmp_path, token_file, nodes)
+    def make(nodes: int, **job: int) -> Elastic:
+        e = Elastic(tmp_path, token_file, nodes, **job)
         made.append(e)
         e.start()
         return e
@@ -325,3 +326,33 @@ def test_etcd_killed_and_restarted_training_continues(elastic, reference) -> Non
         assert s.finished and s.step == STEPS and s.nodes == 3, s
     check_committed(e, reference)
     assert took < JOB_DEADLINE_S
+
+
+def test_checkpoint_requests_take_effect_at_an_agreed_step_none_skipped(elastic) -> None:
+    """`ultractl checkpoint`, twice, with ~0.1 s steps and no periodic checkpoints: each request
+    gives a checkpoint at a step no rank had passed when it was made (requests that arrive
+    between the same two steps are answered by one checkpoint)."""
+    e = elastic(2, every=0, keep=10)
+    e.submit()
+    e.wait_step(TRIGGER_STEP)
+    root = e.output / "checkpoints"
+
+    def checkpoints() -> list[int]:
+        if not root.exists():
+            return []
+        return sorted(int(d.name.split("_")[-1]) for d in root.iterdir()
+                      if d.is_dir() and (d / "manifest.json").exists())
+
+    answered: list[tuple[int, int]] = []  # (step when asked, step checkpointed)
+    for _ in range(2):
+        asked_at, before = e.step(), checkpoints()
+        result = e.ctl("checkpoint")
+        assert result.returncode == 0, result.stderr
+        new = wait_until(lambda b=before: sorted(set(checkpoints()) - set(b)), 60,
+                         "the requested checkpoint", interval=0.05)
+        answered.append((asked_at, new[0]))
+    e.wait_finished()
+    for asked_at, step in answered:
+        assert asked_at <= step < STEPS, answered
+    assert answered[0][1] < answered[1][1], answered
+    check_no_step_rerun(e)

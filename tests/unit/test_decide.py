@@ -9,22 +9,8 @@ from typing import Any, TypeVar
 
 import pytest
 
-from daemon.control.decide import (
-    Action,
-    ConsumeRequests,
-    CordonNodes,
-    Decision,
-    MemberInfo,
-    ProbeNodes,
-    ProbeResult,
-    SetDirective,
-    SetStatus,
-    Snapshot,
-    StartGeneration,
-    boundary_timeout,
-    decide,
-    retry_delay,
-)
+from daemon.control.crash_loop import retry_delay
+from daemon.control.decide import boundary_timeout, decide
 from daemon.control.records import (
     CheckpointRecord,
     ControlOp,
@@ -37,6 +23,19 @@ from daemon.control.records import (
     JobStatus,
     NodeState,
     Progress,
+)
+from daemon.control.snapshot import (
+    Action,
+    ConsumeRequests,
+    CordonNodes,
+    Decision,
+    MemberInfo,
+    ProbeNodes,
+    ProbeResult,
+    SetDirective,
+    SetStatus,
+    Snapshot,
+    StartGeneration,
 )
 from parallel import job as jobmod
 from parallel.planner import NodeInfo, Plan, plan_generation
@@ -504,3 +503,12 @@ def test_failed_is_terminal() -> None:
     none_of(d, StartGeneration)
     assert only(d, ConsumeRequests).ids == ("r",)
     assert all(a.status.state == JobState.FAILED for a in d.actions if isinstance(a, SetStatus))
+
+
+def test_a_checkpoint_dir_a_node_cannot_see_fails_the_job_at_once_naming_it() -> None:
+    message = "checkpoint.dir is not shared: b cannot see /ckpt/.shared-x written by a"
+    s = snap(control={"f": failure_req("b", kind=FailureKind.STORAGE, message=message)})
+    d = decide(s)
+    status = only(d, SetStatus).status
+    assert status.state == JobState.FAILED and status.reason == message
+    none_of(d, StartGeneration, ProbeNodes)

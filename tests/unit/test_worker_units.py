@@ -65,6 +65,13 @@ def test_this_ranks_own_errors_are_local(text):
     assert classify_failure(text) == "local"
 
 
+def test_an_unshared_checkpoint_dir_is_a_storage_failure_and_its_peers_are_not_blamed():
+    assert classify_failure("StorageNotShared: checkpoint.dir is not shared: node-2 cannot see "
+                            "/ckpt/.shared-x written by node-0") == "storage"
+    assert classify_failure("PeerStorageNotShared: checkpoint.dir is not shared: another rank "
+                            "cannot see /ckpt/.shared-x") == "peer"
+
+
 @pytest.mark.parametrize(
     ("agreed", "done", "action"),
     [
