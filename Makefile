@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
 TORCH_CPU ?= torch==2.13.0
 
-.PHONY: install test test-unit test-distributed test-integration lint demo demo-resume bench proto clean
+.PHONY: install test test-unit test-distributed test-integration chaos lint demo demo-resume bench proto clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -32,6 +32,10 @@ test-distributed: $(VENV)/.installed
 
 test-integration: $(VENV)/.installed
 	$(PY) -m pytest -q -m integration tests
+
+# Every chaos scenario and a long random fault sequence (tests/chaos); prints the report table.
+chaos: $(VENV)/.installed
+	ULTRA_CHAOS=1 $(PY) -m pytest -q tests/chaos
 
 lint: $(VENV)/.installed
 	$(PY) -m ruff check .

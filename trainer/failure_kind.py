@@ -11,13 +11,20 @@ from __future__ import annotations
 import re
 from typing import Literal
 
-Kind = Literal["peer", "local", "storage"]
+Kind = Literal["peer", "local", "storage", "disk"]
 
 # torch.distributed's own error types for a broken rendezvous or store connection, and this
 # worker's for an agent that stopped answering.
 PEER_TYPES = ("DistNetworkError", "DistStoreError", "AgentUnreachable", "PeerStorageNotShared")
 # A checkpoint directory this rank cannot see: no retry can fix it (trainer/shared_storage.py).
 STORAGE_TYPES = ("StorageNotShared",)
+# The filesystem itself failed (full, read-only, I/O errors): the job's shared storage, not this
+# node, so nobody is blamed; a repeat at the same step fails the job with the cause.
+DISK_PATTERNS = re.compile(
+    r"no space left on device|disk quota exceeded|read-only file system|input/output error"
+    r"|\[errno (28|122|30|5)\]",
+    re.IGNORECASE,
+)
 
 PEER_PATTERNS = re.compile(
     "|".join(
@@ -47,10 +54,13 @@ PEER_PATTERNS = re.compile(
 
 def classify_failure(text: str) -> Kind:
     """'peer' for a failed collective, rendezvous, store or agent call; 'storage' for a
-    checkpoint directory that is not shared; 'local' otherwise."""
+    checkpoint directory that is not shared; 'disk' for a failing filesystem; 'local'
+    otherwise."""
     error_type = text.split(":", 1)[0].strip()
     if error_type in STORAGE_TYPES:
         return "storage"
+    if DISK_PATTERNS.search(text):
+        return "disk"
     if error_type in PEER_TYPES or PEER_PATTERNS.search(text):
         return "peer"
     return "local"

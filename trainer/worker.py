@@ -36,6 +36,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.api import CheckpointException
 
 from parallel.job import FaultConfig, process_group_timeout
 from parallel.mesh import build_mesh
@@ -186,7 +187,8 @@ def run_one(
     generation = Generation(link, beat, gp, faults)
     try:
         outcome = generation.run()
-    except Exception as exc:  # noqa: BLE001 - any error ends this rank's generation
+    # DCP's CheckpointException derives from BaseException, not Exception.
+    except (Exception, CheckpointException) as exc:  # noqa: BLE001 - any error ends it
         # Keep only the text: the exception's traceback pins the model and the old group.
         text = f"{type(exc).__name__}: {exc}"[:2000]
         outcome = Outcome("failed", generation.step, text, classify_failure(text))

@@ -170,7 +170,8 @@ class _Decider:
         if index is None and req.generation != current:
             return False  # about a generation already replaced: nothing to learn
         implicated = (req.node,) if req.kind in IMPLICATING and req.node else ()
-        cause = f"{req.node}: {req.message}" if implicated else ""
+        # A peer report only echoes someone else's failure; every other kind is a cause.
+        cause = f"{req.node}: {req.message}" if req.kind != FailureKind.PEER else ""
         if index is None:
             failures.append(FailureRecord(req.generation, req.step, implicated, cause,
                                           self.s.now))

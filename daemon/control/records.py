@@ -180,6 +180,7 @@ class FailureKind(str, enum.Enum):
     PEER = "peer"            # a collective failed because of another rank (nobody implicated)
     LOST = "lost"            # a member's agent is gone (node implicated)
     STORAGE = "storage"      # the node cannot see the shared checkpoint dir: no retry helps
+    DISK = "disk"            # the checkpoint filesystem failed (full, read-only): nobody to blame
 
 
 IMPLICATING = frozenset({FailureKind.EXIT, FailureKind.HANG, FailureKind.LOCAL,

@@ -3,9 +3,12 @@
 The agent hosting global rank 0 of the running generation writes `checkpoint` and `progress`
 itself, in one transaction guarded by the generation key's mod_revision: a report about a
 generation that has been replaced is refused by etcd (a straggler cannot overwrite newer
-progress), and a report about the running one needs no leader and no peer credentials. A write
-that fails (etcd unreachable, a timeout) is retried with backoff until it is acknowledged or its
-generation is replaced, so `finished` and the checkpoint of a planned stop always arrive.
+progress), and a report about the running one needs no leader and no peer credentials. The
+transaction also compares the progress key's mod_revision with the one our last write left, so
+a write that timed out but reaches etcd later (etcd was stopped with it in a socket buffer)
+cannot land on newer progress. A write that fails (etcd unreachable, a timeout) is retried with
+backoff until it is acknowledged or its generation is replaced, so `finished` and the
+checkpoint of a planned stop always arrive.
 Routine step reports are coalesced to one write per `interval`; boundaries go at once.
 """
 
@@ -39,6 +42,11 @@ class ProgressWriter:
         self._pending = asyncio.Event()
         self._written_at = 0.0
         self.rejected = 0  # reports refused because their generation was replaced
+        # mod_revision of the progress key after our last write; None: unknown (a write timed
+        # out, its outcome unknown), read it again. Every write compares it, so a write that
+        # timed out here but lands in etcd later (etcd was stopped with it in its socket
+        # buffer) fails its compare instead of overwriting newer progress.
+        self._mod: int | None = None
 
     def report(self, generation: int, urgent: bool = False, **fields: Any) -> None:
         """Merge `fields` into the progress of `generation` and schedule a write."""
@@ -94,13 +102,26 @@ class ProgressWriter:
                 self.rejected += 1
                 return  # replaced: a newer generation's reports are what count
             raise ConnectionError(f"the view has not seen generation {generation} yet")
+        if self._mod is None:
+            kv = await self.etcd.get(self.keys.progress)
+            self._mod = kv.mod_revision if kv else 0
         puts = []
         if checkpoint is not None:
             puts.append(self.etcd.tx.put(self.keys.checkpoint, checkpoint.to_json()))
         if progress is not None:
             puts.append(self.etcd.tx.put(self.keys.progress, progress.to_json()))
-        ok, _ = await self.etcd.txn(
-            [self.etcd.tx.mod(self.keys.generation) == view.generation_mod_revision], puts)
-        if not ok:
+        tx = self.etcd.tx
+        mod, self._mod = self._mod, None  # unknown until this write's outcome is
+        ok, responses = await self.etcd.txn(
+            [tx.mod(self.keys.generation) == view.generation_mod_revision,
+             tx.mod(self.keys.progress) == mod], puts)
+        if ok:
+            self._mod = responses[-1].response_put.header.revision if progress else mod
+            return
+        if self.view.generation != generation:
             self.rejected += 1
             log.info("progress of generation %d refused: a newer generation exists", generation)
+            return
+        # Someone else's write (or one of ours, delayed) landed since we read the key: read it
+        # again and write ours on top.
+        raise ConnectionError("the progress key changed since it was read")

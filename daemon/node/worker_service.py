@@ -116,7 +116,7 @@ class WorkerControlService(pb_grpc.WorkerControlServicer):
             kind = FailureKind(request.kind or "peer")
         except ValueError:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                f"kind: expected peer, local or storage (got {request.kind!r})")
+                                f"kind: expected peer, local, storage or disk (got {request.kind!r})")
         self.host.on_worker_failure(request.local_rank, request.generation, kind, request.step,
                                     request.message)
         return pb.FailureReply()

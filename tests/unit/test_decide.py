@@ -512,3 +512,28 @@ def test_a_checkpoint_dir_a_node_cannot_see_fails_the_job_at_once_naming_it() ->
     status = only(d, SetStatus).status
     assert status.state == JobState.FAILED and status.reason == message
     none_of(d, StartGeneration, ProbeNodes)
+
+
+def test_a_full_disk_is_nobodys_fault_and_fails_the_job_with_its_cause_when_it_repeats() -> None:
+    """The checkpoint filesystem is shared: a disk failure cordons no node, is retried, and
+    the same step failing every time ends the job with the disk's message."""
+    n = FAULT.max_failures
+    status = JobStatus(state=JobState.RUNNING, spec_revision=REV, time=NOW - 500)
+    for generation in range(1, n + 1):
+        message = "OSError: [Errno 28] No space left on device: '/ckpt/step_00000008'"
+        s = snap(generation=generation, step=8, status=status, now=NOW + generation * 100,
+                 control={"d": failure_req("a", generation, 8, FailureKind.DISK, message)})
+        d = decide(s)
+        none_of(d, CordonNodes)
+        status = only(d, SetStatus).status
+        # The report is consumed (and members probed) first; the next decision retries.
+        s = dataclasses.replace(s, control={}, status=status, probes={})
+        d = decide(s)
+        none_of(d, CordonNodes)
+        if generation < n:
+            assert any(isinstance(a, StartGeneration) for a in d.actions) or d.wake_at, d
+        else:
+            status = only(d, SetStatus).status
+    assert status.state == JobState.FAILED, status
+    assert f"failed {n} times in a row at step 8" in status.reason
+    assert "No space left on device" in status.reason

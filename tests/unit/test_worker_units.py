@@ -47,7 +47,6 @@ PEER_ERRORS = [
 LOCAL_ERRORS = [
     "RuntimeError: injected fault at step 3",
     "FileNotFoundError: [Errno 2] No such file or directory: '/data/walk.bin'",
-    "OSError: [Errno 28] No space left on device",
     "RuntimeError: step 4 consumed 310 target tokens, expected 320",
     "ZeroDivisionError: division by zero",
     "PlanError: malformed plan: not JSON: Expecting value: line 1 column 1 (char 0)",
@@ -63,6 +62,16 @@ def test_failed_collectives_and_rendezvous_are_peer_failures(text):
 @pytest.mark.parametrize("text", LOCAL_ERRORS)
 def test_this_ranks_own_errors_are_local(text):
     assert classify_failure(text) == "local"
+
+
+@pytest.mark.parametrize("text", [
+    "OSError: [Errno 28] No space left on device",
+    "CheckpointException: CheckpointException ranks:dict_keys([0])\nTraceback ... OSError: "
+    "[Errno 28] No space left on device: '/ckpt/step_00000012/__0_0.distcp'",
+    "OSError: [Errno 30] Read-only file system: '/ckpt/step_00000004'",
+])
+def test_a_failing_filesystem_is_a_disk_failure(text):
+    assert classify_failure(text) == "disk"
 
 
 def test_an_unshared_checkpoint_dir_is_a_storage_failure_and_its_peers_are_not_blamed():

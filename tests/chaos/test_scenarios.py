@@ -1,0 +1,351 @@
+"""Chaos scenarios: one fault (or one fault pattern) per test, on a real LocalCluster.
+
+Every scenario ends with `ChaosRun.finish_and_check()`: the job finished, every step 1..N is
+committed with consumed_samples == step x 10, generations never interleave in steps.jsonl, no
+generation number was written twice in etcd, and the committed losses equal a torchrun replay
+of the same layout history within 1e-6 relative. Stall and steps re-run go to the report.
+
+Opt-in: ULTRA_CHAOS=1 (`make chaos`) or `pytest tests/chaos --chaos`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from checkpoint.manifest import CheckpointInvalid, verify
+from tests.chaos.runner import ChaosError, ChaosRun, wait
+
+pytestmark = pytest.mark.chaos
+
+TRIGGER = 10  # just past the step-8 checkpoint (every 4): the recovery re-runs steps 9-10+
+NORMAL_RECOVERY_S = 10.0  # leave the old group, form the new one, restore, first step
+
+
+def hang_bound(run: ChaosRun) -> float:
+    """How long a hung worker may stall the job: the hang deadline plus a normal recovery."""
+    f = run.faults[0]
+    return max(10.0, 5 * f.step_seconds) + NORMAL_RECOVERY_S
+
+
+def _victim(run: ChaosRun) -> str:
+    return run.non_leaders()[-1]
+
+
+# -- processes die ----------------------------------------------------------------------------
+
+
+def test_kill_non_leader_agent(chaos) -> None:
+    run = chaos()
+    run.submit()
+    run.wait_step(TRIGGER)
+    victim = _victim(run)
+    with run.fault(f"SIGKILL agent {victim} (non-leader)"):
+        run.kill_agent(victim)
+    run.finish_and_check()
+
+
+def test_kill_one_worker(chaos) -> None:
+    run = chaos()
+    run.submit()
+    run.wait_step(TRIGGER)
+    victim = _victim(run)
+    (pid,) = run.worker_pids(victim)
+    with run.fault(f"SIGKILL worker of {victim} (agent alive)"):
+        os.kill(pid, signal.SIGKILL)
+    run.finish_and_check()
+
+
+# -- hangs ------------------------------------------------------------------------------------
+
+
+def _stop_worker_scenario(run: ChaosRun, local_rank: int) -> None:
+    run.submit()
+    run.wait_step(TRIGGER)
+    victim = _victim(run)
+    pids = sorted(run.worker_pids(victim))
+    pid = pids[min(local_rank, len(pids) - 1)]
+    with run.fault(f"SIGSTOP worker {pid} of {victim}"):
+        run.stop_pid(pid)
+
+    def bounded(r: ChaosRun) -> list[str]:
+        stall, bound = r.outcome.stalls[0], hang_bound(r)
+        if stall is None:
+            return ["no step was committed after the hang"]
+        return [] if stall <= bound else [f"stall {stall:.1f}s > bound {bound:.1f}s"]
+
+    run.finish_and_check(extra_checks=bounded)
+
+
+def test_stop_one_worker_dp(chaos) -> None:
+    _stop_worker_scenario(chaos(), 0)
+
+
+def test_stop_one_worker_tp2(chaos) -> None:
+    _stop_worker_scenario(chaos(nodes=2, devices=2, tp=2), 1)
+
+
+# -- the control plane ------------------------------------------------------------------------
+
+
+def test_stop_non_leader_agent_no_split_brain(chaos) -> None:
+    run = chaos()
+    run.submit()
+    run.wait_step(TRIGGER)
+    victim = _victim(run)
+    pid = run.cluster.agents[victim].pid
+    with run.fault(f"SIGSTOP agent {victim} for {4 * run.ttl}s, then SIGCONT"):
+        run.stop_pid(pid)
+    time.sleep(4 * run.ttl)
+    run.cont_pid(pid)
+    # The generation history and the committed sequence are checked by finish_and_check.
+    run.finish_and_check()
+
+
+def test_kill_leader_right_after_generation(chaos) -> None:
+    run = chaos()
+    run.submit()
+    run.wait_step(TRIGGER)
+    leader = run.leader()
+    victim = next(n for n in run.live_nodes() if n != leader)
+    before = run.status(leader).generation
+    (pid,) = run.worker_pids(victim)
+    with run.fault(f"SIGKILL worker of {victim} (to make a generation)"):
+        os.kill(pid, signal.SIGKILL)
+    new = wait(lambda: (g := run.status(leader).generation) > before and g, 30,
+               "the leader to write a new generation", interval=0.005)
+    with run.fault(f"SIGKILL leader {leader} right after generation {new}", generation=new):
+        run.kill_agent(leader)
+    run.finish_and_check()
+
+
+def test_second_failure_during_reformation(chaos) -> None:
+    run = chaos(nodes=4)
+    run.submit()
+    run.wait_step(TRIGGER)
+    first, second = run.non_leaders()[:2]
+    with run.fault(f"SIGKILL node {first}"):
+        run.kill_node(first)
+    time.sleep(0.3)
+    with run.fault(f"SIGKILL node {second} 0.3s later"):
+        run.kill_node(second)
+    run.finish_and_check()
+
+
+def test_etcd_stopped_three_ttls(chaos) -> None:
+    # Enough steps that training goes on through the outage (steps are ~0.15 s here).
+    run = chaos(steps=80)
+    run.submit()
+    run.wait_step(TRIGGER)
+    workers = run.wait_workers()
+    gen = max(line["generation"] for line in run.lines())
+    pid = run.etcd_pid()
+    with run.fault(f"SIGSTOP etcd for {3 * run.ttl}s", expect_new_generation=False) as f:
+        run.stop_pid(pid)
+    time.sleep(3 * run.ttl)
+    run.cont_pid(pid)
+    run.wait_step(f.step + 2, after=time.time())
+
+    def unchanged(r: ChaosRun) -> list[str]:
+        out = []
+        if after != workers:
+            out.append(f"workers restarted: {workers} -> {after}")
+        gens = {line["generation"] for line in r.lines() if line["time"] >= f.time}
+        if gens - {gen}:
+            out.append(f"new generation(s) {sorted(gens - {gen})} after an etcd stop of "
+                       f"{3 * r.ttl}s (< --etcd-outage)")
+        return out
+
+    after = run.all_worker_pids()
+    run.finish_and_check(extra_checks=unchanged)
+
+
+def test_etcd_stopped_across_the_last_step(chaos) -> None:
+    """etcd stops (3 TTLs) while the job trains its last steps: the end must still arrive.
+
+    Found by the chaos suite: the rank-0 agent's progress transactions that timed out while
+    etcd was stopped are still applied when it resumes, after the retried `finished` write,
+    so `progress` goes back to unfinished (and an older step) and the job stays `running`.
+    """
+    run = chaos()
+    run.submit()
+    run.wait_step(run.steps - 18)
+    pid = run.etcd_pid()
+    with run.fault(f"SIGSTOP etcd for {3 * run.ttl}s over the last steps",
+                   expect_new_generation=False):
+        run.stop_pid(pid)
+    time.sleep(3 * run.ttl)
+    run.cont_pid(pid)
+    run.finish_and_check()
+
+
+def test_etcd_killed_and_restarted(chaos) -> None:
+    run = chaos()
+    run.submit()
+    run.wait_step(TRIGGER)
+    workers = run.wait_workers()
+    assert run.cluster.etcd is not None
+    with run.fault("SIGKILL etcd, restart on the same data dir", expect_new_generation=False):
+        run.cluster.etcd.kill()
+        time.sleep(0.5)
+        run.cluster.etcd.start()
+    run.wait_step(run.faults[0].step + 2, after=time.time())
+    restarted = run.all_worker_pids() != workers
+    run.finish_and_check(extra={"workers_restarted": restarted})
+
+
+def test_quick_rejoin_same_node_id(chaos) -> None:
+    run = chaos()
+    run.submit()
+    run.wait_step(TRIGGER)
+    victim = _victim(run)
+    with run.fault(f"SIGKILL agent {victim}, restart it within 1s"):
+        run.kill_agent(victim)
+        time.sleep(0.5)
+        run.restart_agent(victim)
+    run.finish_and_check()
+
+
+# -- storage ----------------------------------------------------------------------------------
+
+
+def _manifests(root: Path) -> list[Path]:
+    return sorted(p.parent for p in root.glob("step_*/manifest.json"))
+
+
+def test_corrupt_newest_checkpoint(chaos) -> None:
+    every = 4
+    run = chaos(every=every)
+    run.submit()
+    ckpts = run.output / "checkpoints"
+    # The first checkpoint at or after step 12 whose manifest is written: corrupt it at once
+    # and kill a node before the next one (4 steps later) can commit.
+    newest = wait(lambda: (m := _manifests(ckpts)) and int(m[-1].name[5:]) >= 12 and m[-1],
+                  180, "a committed checkpoint at step >= 12", interval=0.01)
+    shard = max((p for p in newest.iterdir() if p.name.endswith(".distcp")),
+                key=lambda p: p.stat().st_size)
+    victim = _victim(run)
+    corrupted_step = int(newest.name[5:])
+    with run.fault(f"flip bytes in {newest.name}/{shard.name}, SIGKILL node {victim}") as f:
+        data = bytearray(shard.read_bytes())
+        for i in range(16):
+            data[len(data) // 2 + i] ^= 0xFF
+        shard.write_bytes(bytes(data))
+        run.kill_node(victim)
+
+    def fell_back(r: ChaosRun) -> list[str]:
+        newer = [x for x in r.lines() if x["generation"] > f.generation]
+        if not newer:
+            return ["no newer generation committed a step"]
+        restored = newer[0]["step"] - 1
+        out = []
+        if restored != corrupted_step - every:
+            out.append(f"the next generation restored step {restored}, expected "
+                       f"{corrupted_step - every} (the one before the corrupted "
+                       f"step {corrupted_step})")
+        if not r.grep_logs("is invalid"):
+            out.append("no worker logged that the corrupted checkpoint is invalid")
+        return out
+
+    run.finish_and_check(extra_checks=fell_back,
+                         extra={"corrupted_step": corrupted_step})
+
+
+def _mount_tmpfs(path: Path, size: str) -> str:
+    path.mkdir(parents=True, exist_ok=True)
+    result = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
+                            capture_output=True, text=True)
+    return "" if result.returncode == 0 else (result.stderr.strip() or "mount failed")
+
+
+def _fill(path: Path, leave: int) -> Path:
+    """Fill the filesystem of `path` until only about `leave` bytes are free."""
+    st = os.statvfs(path)
+    free = st.f_bavail * st.f_frsize
+    filler = path / "filler.bin"
+    with filler.open("wb") as fh:
+        remaining = max(0, free - leave)
+        chunk = b"\0" * (1 << 20)
+        while remaining > 0:
+            n = min(len(chunk), remaining)
+            try:
+                fh.write(chunk[:n])
+                fh.flush()
+            except OSError:
+                break
+            remaining -= n
+    return filler
+
+
+def test_disk_full_while_checkpointing(chaos, tmp_path: Path) -> None:
+    mnt = tmp_path / "ckptfs"
+    error = _mount_tmpfs(mnt, "64m")
+    if error:
+        pytest.skip(f"cannot mount a tmpfs for the checkpoint dir: {error}")
+    run: ChaosRun | None = None
+    try:
+        run = chaos(checkpoint_dir=str(mnt / "checkpoints"), steps=36)
+        run.submit()
+        run.wait_step(TRIGGER)
+        with run.fault("checkpoint filesystem full (tmpfs filled up)") as f:
+            filler = _fill(mnt, leave=64 * 1024)
+        # Let the next checkpoint hit ENOSPC, and free the space as soon as the daemon reacted
+        # (a new generation) or two checkpoint boundaries passed without a reaction.
+        def reacted() -> bool:
+            if any(x["time"] >= f.time and x["step"] >= f.step + 2 * run.every
+                   for x in run.lines()):
+                return True
+            with contextlib.suppress(ChaosError):
+                return run.status().generation > f.generation
+            return False
+
+        with contextlib.suppress(ChaosError):
+            wait(reacted, 60, "a reaction to the full disk", interval=0.05)
+        filler.unlink()
+        freed = time.time()
+        enospc = run.grep_logs("No space left") + run.grep_logs("ENOSPC")
+
+        def no_bad_checkpoint(r: ChaosRun) -> list[str]:
+            out = []
+            for d in _manifests(mnt / "checkpoints"):
+                try:
+                    verify(d)
+                except CheckpointInvalid as exc:
+                    out.append(f"a committed checkpoint does not verify: {exc}")
+            return out
+
+        gens_during = sorted({x["generation"] for x in run.lines()
+                              if f.time <= x["time"] < freed})
+
+        def checks(r: ChaosRun) -> list[str]:
+            out = no_bad_checkpoint(r)
+            cordoned = r.grep_logs("cordoned node")
+            if cordoned:
+                out.append(f"a full shared checkpoint dir got nodes cordoned: {cordoned[:2]}")
+            return out
+
+        run.finish_and_check(extra_checks=checks, extra={
+            "enospc_logged": len(enospc), "generations_while_full": gens_during,
+            "first_enospc": enospc[0][:200] if enospc else ""})
+    finally:
+        if run is not None:
+            run.stop()
+        subprocess.run(["umount", "-l", str(mnt)], capture_output=True)
+
+
+# -- the network ------------------------------------------------------------------------------
+
+
+@pytest.mark.skip(reason="not implemented: partitioning one node needs the agents, workers and "
+                  "etcd on routable addresses (LocalCluster binds 127.0.0.1 everywhere) and the "
+                  "victim agent started inside its own network namespace (ip netns + veth on a "
+                  "bridge) so its link can be set down; LocalCluster has no hook for either")
+def test_network_partition_one_node(chaos) -> None:
+    pass
+
