@@ -16,6 +16,7 @@ import logging
 import time
 import uuid
 from collections.abc import Awaitable, Callable
+from typing import Any
 
 from daemon.control.decide import decide
 from daemon.control.election import Election, FencedConflict, NotLeader
@@ -73,6 +74,7 @@ class Leader:
         self._probes: dict[str, ProbeResult] = {}
         # Last known address of every node: a member whose key is gone may still answer.
         self._addresses: dict[str, str] = {}
+        self._written = 0  # etcd revision of this leader's last write
         view.subscribe(self._on_view)
 
     def _on_view(self, kinds: set[str]) -> None:
@@ -104,6 +106,15 @@ class Leader:
                 await asyncio.sleep(self.debounce_s)
             again = False
             try:
+                # Decide on a view that includes our own last writes: a decision made on the
+                # view from before them would make them again (a second generation, say).
+                if not await self.view.wait_for(
+                        lambda: self.view.revision >= self._written, timeout=self.ttl):
+                    # etcd's history went backwards (a restore) or the watch is down: the
+                    # view has resynchronised or will; do not wait for that revision again.
+                    log.warning("the view did not reach revision %d in %ss; deciding on it "
+                                "as it is", self._written, self.ttl)
+                    self._written = 0
                 decision = decide(self.snapshot())
                 wake_at = decision.wake_at
                 for action in decision.actions:
@@ -148,28 +159,33 @@ class Leader:
 
     # -- effects -------------------------------------------------------------------------------
 
+    async def _fenced(self, compare: list[Any], success: list[Any]) -> list[Any]:
+        responses = await self.election.fenced_txn(compare, success)
+        self._written = max([self._written, *(_revision(r) for r in responses)])
+        return responses
+
     async def _perform(self, action: Action) -> None:
         tx, keys = self.etcd.tx, self.keys
         if isinstance(action, StartGeneration):
             await self.write_generation(action.plan, action.reason)
         elif isinstance(action, SetDirective):
-            await self.election.fenced_txn([], [tx.put(keys.directive,
+            await self._fenced([], [tx.put(keys.directive,
                                                        action.directive.to_json())])
             d = action.directive
             log.info("directive for generation %d: stop=%s checkpoint_seq=%d %s",
                      d.generation, d.stop, d.checkpoint_seq, d.reason)
         elif isinstance(action, SetStatus):
-            await self.election.fenced_txn([], [tx.put(keys.status, action.status.to_json())])
+            await self._fenced([], [tx.put(keys.status, action.status.to_json())])
             st = action.status
             (log.error if st.state.value == "failed" else log.info)(
                 "job %s%s", st.state.value, f": {st.reason}" if st.reason else "")
         elif isinstance(action, CordonNodes):
-            await self.election.fenced_txn([], [tx.put(keys.cordon(c.node), c.to_json())
+            await self._fenced([], [tx.put(keys.cordon(c.node), c.to_json())
                                                 for c in action.cordons])
             for c in action.cordons:
                 log.error("cordoned %s: %s", c.node, c.reason)
         elif isinstance(action, ConsumeRequests):
-            await self.election.fenced_txn([], [tx.delete(keys.control_request(i))
+            await self._fenced([], [tx.delete(keys.control_request(i))
                                                 for i in action.ids])
         elif isinstance(action, ProbeNodes):
             await self._probe_nodes(action.nodes)
@@ -182,7 +198,7 @@ class Leader:
         prefix = f"generation/{number + 1}/{uuid.uuid4().hex[:12]}"
         plan = dataclasses.replace(candidate, generation=number + 1, reason=reason,
                                    store=StoreAddress(self.store.host, port, prefix))
-        await self.election.fenced_txn(
+        await self._fenced(
             [self.etcd.tx.mod(self.keys.generation) == mod],
             [self.etcd.tx.put(self.keys.generation, plan.to_json().encode())],
         )
@@ -217,3 +233,11 @@ class Leader:
             except ETCD_ERRORS as exc:
                 log.warning("could not revoke the lease of %s: %s", node, exc)
         return node, alive
+
+
+def _revision(response: Any) -> int:
+    """The etcd revision a transaction's put or delete response carries (0 for others)."""
+    for name in ("response_put", "response_delete_range"):
+        if response.HasField(name):
+            return int(getattr(response, name).header.revision)
+    return 0
