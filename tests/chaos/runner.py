@@ -43,6 +43,7 @@ from daemon.cli.local import LocalCluster
 from proto.ultrascale.v1 import agent_pb2 as pb
 from proto.ultrascale.v1 import agent_pb2_grpc as pb_grpc
 from tests.conftest import small_job_text
+from tests.processes import alive, descendants
 
 GLOBAL_BATCH = 10  # small_job_text's
 RTOL = 1e-6
@@ -54,34 +55,6 @@ class ChaosError(AssertionError):
 
 
 # -- processes ---------------------------------------------------------------------------------
-
-
-def children(pid: int) -> list[int]:
-    out: list[int] = []
-    with contextlib.suppress(OSError):
-        for task in Path(f"/proc/{pid}/task").iterdir():
-            with contextlib.suppress(OSError):
-                out += [int(p) for p in (task / "children").read_text().split()]
-    return out
-
-
-def descendants(pid: int) -> list[int]:
-    seen: list[int] = []
-    todo = [pid]
-    while todo:
-        for child in children(todo.pop()):
-            if child not in seen:
-                seen.append(child)
-                todo.append(child)
-    return seen
-
-
-def alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (FileNotFoundError, ProcessLookupError, IndexError):
-        return False
-    return state != "Z"
 
 
 def cmdline(pid: int) -> str:

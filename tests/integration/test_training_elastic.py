@@ -34,6 +34,7 @@ from proto.ultrascale.v1 import agent_pb2_grpc as pb_grpc
 from tests.conftest import small_job_text
 from tests.distributed.reference import reference_run
 from tests.integration.conftest import ROOT, wait_until
+from tests.processes import descendants
 
 pytestmark = pytest.mark.integration
 
@@ -47,25 +48,6 @@ JOB_DEADLINE_S = 240.0
 
 
 # -- helpers ----------------------------------------------------------------------------------
-
-
-def _children(pid: int) -> list[int]:
-    out: list[int] = []
-    with contextlib.suppress(OSError):
-        for task in Path(f"/proc/{pid}/task").iterdir():
-            with contextlib.suppress(OSError):
-                out += [int(p) for p in (task / "children").read_text().split()]
-    return out
-
-
-def _descendants(pid: int) -> list[int]:
-    seen, todo = [], [pid]
-    while todo:
-        for child in _children(todo.pop()):
-            if child not in seen:
-                seen.append(child)
-                todo.append(child)
-    return seen
 
 
 class Elastic:
@@ -103,7 +85,7 @@ class Elastic:
     def note_workers(self) -> None:
         for proc in self.cluster.agents.values():
             if proc.poll() is None:
-                self.workers.update(_descendants(proc.pid))
+                self.workers.update(descendants(proc.pid))
 
     def lines(self) -> list[dict[str, Any]]:
         path = self.output / "steps.jsonl"

@@ -23,6 +23,7 @@ from proto.ultrascale.v1 import agent_pb2 as pb
 from tests.conftest import small_job_text
 from tests.distributed.reference import reference_run
 from tests.integration.conftest import wait_until
+from tests.processes import alive
 
 pytestmark = pytest.mark.integration
 STEPS, BATCH, KILL_AT = 16, 10, 8
@@ -52,14 +53,6 @@ def scrape(url: str) -> dict[str, float]:
 def worker_pids(agent_pid: int) -> list[int]:
     children = Path(f"/proc/{agent_pid}/task/{agent_pid}/children")
     return [int(p) for p in children.read_text().split()] if children.exists() else []
-
-
-def alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().split()[2]
-    except FileNotFoundError:
-        return False
-    return state != "Z"
 
 
 @pytest.fixture

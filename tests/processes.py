@@ -1,0 +1,36 @@
+"""The process tree of agents and workers, read from /proc (Linux), for tests that kill them."""
+
+from __future__ import annotations
+
+import contextlib
+from pathlib import Path
+
+
+def children(pid: int) -> list[int]:
+    out: list[int] = []
+    with contextlib.suppress(OSError):
+        for task in Path(f"/proc/{pid}/task").iterdir():
+            with contextlib.suppress(OSError):
+                out += [int(p) for p in (task / "children").read_text().split()]
+    return out
+
+
+def descendants(pid: int) -> list[int]:
+    seen: list[int] = []
+    todo = [pid]
+    while todo:
+        for child in children(todo.pop()):
+            if child not in seen:
+                seen.append(child)
+                todo.append(child)
+    return seen
+
+
+def alive(pid: int) -> bool:
+    """Running (a zombie is not)."""
+    try:
+        # The command name in parentheses may hold spaces: the state follows its ")".
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state != "Z"
