@@ -3,7 +3,12 @@
 from __future__ import annotations
 
 import contextlib
+import os
+import signal
+from collections.abc import Iterator
 from pathlib import Path
+
+from daemon.cli.local import LocalCluster
 
 
 def children(pid: int) -> list[int]:
@@ -34,3 +39,18 @@ def alive(pid: int) -> bool:
     except (OSError, IndexError):
         return False
     return state != "Z"
+
+
+@contextlib.contextmanager
+def running(cluster: LocalCluster) -> Iterator[LocalCluster]:
+    """Start a LocalCluster; on exit stop it and kill any worker its agents left behind."""
+    try:
+        cluster.start()
+        yield cluster
+    finally:
+        workers = [w for p in cluster.agents.values() if p.poll() is None
+                   for w in descendants(p.pid)]
+        cluster.stop()
+        for pid in workers:
+            if alive(pid):
+                os.kill(pid, signal.SIGKILL)

@@ -10,8 +10,6 @@ fails again.
 from __future__ import annotations
 
 import json
-import os
-import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -22,7 +20,8 @@ from daemon.cli.local import LocalCluster, _call
 from proto.ultrascale.v1 import agent_pb2 as pb
 from tests.conftest import small_job_text
 from tests.integration.conftest import ROOT, wait_until
-from tests.integration.test_training_recovery import alive, committed_steps, worker_pids
+from tests.integration.test_training_recovery import committed_steps, worker_pids
+from tests.processes import running
 
 pytestmark = pytest.mark.integration
 FAIL_AT, MAX_FAILURES = 5, 3
@@ -32,16 +31,8 @@ FAIL_AT, MAX_FAILURES = 5, 3
 def failing_cluster(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
     # Agents pass their environment to the workers they start.
     monkeypatch.setenv("ULTRA_FAULT_FAIL_AT_STEP", str(FAIL_AT))
-    c = LocalCluster(tmp_path / "state", nodes=2, devices_per_node=1, ttl=2)
-    try:
-        c.start()
+    with running(LocalCluster(tmp_path / "state", nodes=2, devices_per_node=1, ttl=2)) as c:
         yield c
-    finally:
-        pids = [w for p in c.agents.values() if p.poll() is None for w in worker_pids(p.pid)]
-        c.stop()
-        for pid in pids:
-            if alive(pid):
-                os.kill(pid, signal.SIGKILL)
 
 
 def ctl(cluster: LocalCluster, *args: str) -> subprocess.CompletedProcess[str]:

@@ -8,9 +8,7 @@ restore, forever.
 
 from __future__ import annotations
 
-import os
 import shutil
-import signal
 import subprocess
 from pathlib import Path
 
@@ -20,7 +18,7 @@ from daemon.cli.local import LocalCluster, _call
 from proto.ultrascale.v1 import agent_pb2 as pb
 from tests.conftest import small_job_text
 from tests.integration.conftest import wait_until
-from tests.integration.test_training_recovery import alive, worker_pids
+from tests.processes import running
 
 pytestmark = pytest.mark.integration
 
@@ -42,10 +40,8 @@ def test_unshared_checkpoint_dir_fails_the_job_naming_the_node(tmp_path: Path,
     ckpt.mkdir(parents=True)
     private = ["unshare", "--mount", "--propagation", "private", "sh", "-c",
                f'mount -t tmpfs tmpfs "{ckpt}" && exec "$0" "$@"']
-    cluster = LocalCluster(tmp_path / "state", nodes=2, devices_per_node=1, ttl=2,
-                           launch_prefix={"node-1": private})
-    try:
-        cluster.start()
+    with running(LocalCluster(tmp_path / "state", nodes=2, devices_per_node=1, ttl=2,
+                              launch_prefix={"node-1": private})) as cluster:
         token = cluster.token_file.read_text().strip()
         job = small_job_text(token_file, train={"steps": 8},
                              checkpoint={"dir": "ckpt", "every": 2})
@@ -61,10 +57,3 @@ def test_unshared_checkpoint_dir_fails_the_job_naming_the_node(tmp_path: Path,
         assert "checkpoint.dir is not shared: node-1 cannot see" in final.reason, final
         assert str(ckpt) in final.reason
         assert final.generation == 1, "no retry: a mount is not fixed by re-forming"
-    finally:
-        pids = [w for p in cluster.agents.values() if p.poll() is None
-                for w in worker_pids(p.pid)]
-        cluster.stop()
-        for pid in pids:
-            if alive(pid):
-                os.kill(pid, signal.SIGKILL)

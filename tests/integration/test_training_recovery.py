@@ -9,7 +9,6 @@ survivor's /metrics shows the new world and exactly one recovery.
 from __future__ import annotations
 
 import json
-import os
 import signal
 import time
 import urllib.request
@@ -23,7 +22,7 @@ from proto.ultrascale.v1 import agent_pb2 as pb
 from tests.conftest import small_job_text
 from tests.distributed.reference import reference_run
 from tests.integration.conftest import wait_until
-from tests.processes import alive
+from tests.processes import alive, running
 
 pytestmark = pytest.mark.integration
 STEPS, BATCH, KILL_AT = 16, 10, 8
@@ -57,16 +56,8 @@ def worker_pids(agent_pid: int) -> list[int]:
 
 @pytest.fixture
 def cluster(tmp_path: Path):
-    c = LocalCluster(tmp_path / "state", nodes=3, devices_per_node=1, ttl=2)
-    try:
-        c.start()
+    with running(LocalCluster(tmp_path / "state", nodes=3, devices_per_node=1, ttl=2)) as c:
         yield c
-    finally:
-        pids = [w for p in c.agents.values() if p.poll() is None for w in worker_pids(p.pid)]
-        c.stop()
-        for pid in pids:
-            if alive(pid):
-                os.kill(pid, signal.SIGKILL)
 
 
 def test_kill_one_agent_mid_run(cluster: LocalCluster, token_file: Path, tmp_path: Path):
