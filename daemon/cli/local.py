@@ -45,8 +45,13 @@ class LocalCluster:
     ttl: int = 3
     namespace: str = "local"
     extra_agent_args: list[str] = field(default_factory=list)
-    # Per node, a command the agent runs under (e.g. `unshare` for a mount namespace of its own).
+    # Per node, a command the agent runs under (e.g. `unshare` for a mount namespace of its own,
+    # `ip netns exec` for a network namespace).
     launch_prefix: dict[str, list[str]] = field(default_factory=dict)
+    # Where etcd listens, and per node where its agent listens (default: loopback). A node on
+    # another address (its own network namespace) also needs `--insecure` in extra_agent_args.
+    etcd_host: str = "127.0.0.1"
+    node_hosts: dict[str, str] = field(default_factory=dict)
     etcd: EtcdServer | None = None
     agents: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
     token_file: Path = Path()
@@ -54,7 +59,7 @@ class LocalCluster:
     def start(self, timeout: float = 30.0) -> None:
         self.state_dir.mkdir(parents=True, exist_ok=True)
         _, self.token_file = load_or_create_token(None, self.state_dir)
-        self.etcd = EtcdServer(self.state_dir / "etcd").start()
+        self.etcd = EtcdServer(self.state_dir / "etcd", host=self.etcd_host).start()
         for i in range(self.nodes):
             self.start_agent(f"node-{i}")
         deadline = time.monotonic() + timeout
@@ -69,7 +74,8 @@ class LocalCluster:
         args = [*self.launch_prefix.get(node, []), sys.executable, "-m", "daemon.cli.ultrad",
                 "--etcd", self.etcd.endpoint,
                 "--node-id", node, "--devices", str(self.devices_per_node),
-                "--listen", "127.0.0.1:0", "--metrics-listen", "127.0.0.1:0",
+                "--listen", f"{self.node_hosts.get(node, '127.0.0.1')}:0",
+                "--metrics-listen", "127.0.0.1:0",
                 "--state-dir", str(node_dir), "--token-file", str(self.token_file),
                 "--ttl", str(self.ttl), "--job", self.namespace, *self.extra_agent_args]
         with (node_dir / "ultrad.log").open("ab") as log:

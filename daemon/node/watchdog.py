@@ -10,7 +10,16 @@ restore, step, checkpoint) and its step. A worker is hung when
   a job with 0.05 s steps is not left stalled for minutes.
 A hung worker is killed and handled like a dead one. Peers blocked in a collective with it keep
 beating (gloo releases the interpreter) and get their error as soon as it dies, so only the
-culprit is killed. `HangDetector` is pure (time is an argument); `Watchdog` applies it.
+culprit is killed.
+
+A worker still busy (joining, restoring, stepping, checkpointing) in a generation older than the
+newest one is waiting on a world that has moved on: a peer cut off by the network sends no
+reset, and a gloo collective cannot be aborted, so it would sit until its process-group timeout.
+Once the newer generation is `obsolete_grace` old (and the worker made no progress in that
+time) it is killed too. Generations are only replaced after the old one stopped or failed, so
+this never kills a worker whose world could still finish the step.
+
+`HangDetector` is pure (time is an argument); `Watchdog` applies it.
 """
 
 from __future__ import annotations
@@ -45,6 +54,8 @@ class _Rank:
 class HangDetector:
     def __init__(self) -> None:
         self._ranks: dict[int, _Rank] = {}
+        self._current = 0  # the newest generation seen by hung()
+        self._current_since = 0.0
 
     def started(self, local_rank: int, now: float) -> None:
         """A new worker process: it has until its first heartbeat like any other deadline."""
@@ -82,15 +93,18 @@ class HangDetector:
 
     def hung(self, now: float, fault: FaultConfig, current: int = 0,
              obsolete_grace: float = float("inf")) -> list[tuple[int, str]]:
-        """Ranks to kill. `current` is the newest generation: a rank still joining an older one
-        waits for peers that have moved on, and learns of it only when its join times out, so
-        it is replaced after `obsolete_grace` instead."""
+        """Ranks to kill. `current` is the newest generation: a rank still busy in an older one
+        waits for peers that have moved on, and learns of it only at a timeout, so it is
+        replaced `obsolete_grace` after `current` was first seen here instead."""
+        if current > self._current:
+            self._current, self._current_since = current, now
         out = []
         for rank, r in sorted(self._ranks.items()):
-            if r.phase == "join" and 0 < r.generation < current \
-                    and now - r.progress_at > obsolete_grace:
-                out.append((rank, f"still joining generation {r.generation} "
-                                  f"{now - r.progress_at:.1f}s after generation {current} began"))
+            if r.phase != "idle" and 0 < r.generation < current \
+                    and now - max(r.progress_at, self._current_since) > obsolete_grace:
+                out.append((rank, f"still in phase {r.phase} of generation {r.generation} "
+                                  f"{now - self._current_since:.1f}s after generation "
+                                  f"{current} began"))
                 continue
             if r.beat_at == 0.0:
                 # Still starting (importing torch): the join deadline covers it.

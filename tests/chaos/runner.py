@@ -43,6 +43,7 @@ from daemon.cli.local import LocalCluster
 from proto.ultrascale.v1 import agent_pb2 as pb
 from proto.ultrascale.v1 import agent_pb2_grpc as pb_grpc
 from tests.conftest import small_job_text
+from tests.netns import Hosts
 from tests.processes import alive, descendants
 
 GLOBAL_BATCH = 10  # small_job_text's
@@ -178,11 +179,16 @@ class ChaosRun:
                  replay_cache: Path, nodes: int = 3, devices: int = 1, ttl: int = 2,
                  steps: int = 30, every: int = 4, keep: int = 2, tp: int = 1,
                  checkpoint_dir: str = "checkpoints", fault: dict[str, Any] | None = None,
-                 env: dict[str, str] | None = None) -> None:
+                 env: dict[str, str] | None = None, hosts: Hosts | None = None) -> None:
         self.root, self.scenario, self.report = root, scenario, report
         self.replay_cache = replay_cache
         self.steps, self.every, self.ttl = steps, every, ttl
         self.cluster = LocalCluster(root / "state", nodes, devices, ttl=ttl)
+        if hosts is not None:  # node-i runs on its own host (network namespace), etcd on the bridge
+            self.cluster.etcd_host = hosts.bridge_address
+            self.cluster.node_hosts = {n: h.address for n, h in hosts.hosts.items()}
+            self.cluster.launch_prefix = {n: h.prefix() for n, h in hosts.hosts.items()}
+            self.cluster.extra_agent_args.append("--insecure")
         self.output = root / "output"
         parallel = {"tp": tp} if tp > 1 else {}
         sections: dict[str, dict[str, Any]] = {
@@ -197,6 +203,7 @@ class ChaosRun:
         self.env = env or {}
         self.faults: list[Fault] = []
         self.stopped: set[int] = set()  # pids we SIGSTOPped and have not SIGCONTed
+        self.unreachable: set[str] = set()  # nodes whose network we cut: not asked over RPC
         self.workers: set[int] = set()  # every worker pid seen, killed at the end
         self.recorded = False
         self.outcome = Outcome()
@@ -244,7 +251,7 @@ class ChaosRun:
         proc = self.cluster.agents.get(node)
         path = self.cluster.state_dir / node / "agent.json"
         if proc is None or proc.poll() is not None or proc.pid in self.stopped \
-                or not path.exists():
+                or node in self.unreachable or not path.exists():
             return None
         with contextlib.suppress(ValueError, OSError):
             return str(json.loads(path.read_text())["address"])

@@ -14,13 +14,16 @@ import contextlib
 import os
 import signal
 import subprocess
+import threading
 import time
 from pathlib import Path
 
 import pytest
 
 from checkpoint.manifest import CheckpointInvalid, verify
+from tests import netns
 from tests.chaos.runner import ChaosError, ChaosRun, wait
+from tests.processes import alive
 
 pytestmark = pytest.mark.chaos
 
@@ -342,10 +345,58 @@ def test_disk_full_while_checkpointing(chaos, tmp_path: Path) -> None:
 # -- the network ------------------------------------------------------------------------------
 
 
-@pytest.mark.skip(reason="not implemented: partitioning one node needs the agents, workers and "
-                  "etcd on routable addresses (LocalCluster binds 127.0.0.1 everywhere) and the "
-                  "victim agent started inside its own network namespace (ip netns + veth on a "
-                  "bridge) so its link can be set down; LocalCluster has no hook for either")
-def test_network_partition_one_node(chaos) -> None:
-    pass
+def _death_times(pids: list[int], stop: threading.Event, out: dict[int, float]) -> None:
+    """Record (time.time()) when each pid stops being alive; poll until `stop`."""
+    while not stop.is_set() and len(out) < len(pids):
+        for pid in pids:
+            if pid not in out and not alive(pid):
+                out[pid] = time.time()
+        time.sleep(0.02)
 
+
+def test_network_partition_one_node(chaos) -> None:
+    """Every node on its own host (network namespace) on one bridge, etcd on the bridge; one
+    non-leader host's link goes down while the others go on. The cut-off agent reaches neither
+    etcd nor a peer, so it must kill its workers before the others' new generation commits a
+    step (no second writer); when the link comes back it re-joins and the job finishes exact."""
+    reason = netns.unavailable()
+    if reason:
+        pytest.skip(reason)
+    with netns.Hosts([f"node-{i}" for i in range(3)]) as hosts:
+        run = chaos(hosts=hosts)
+        try:
+            run.submit()
+            run.wait_step(TRIGGER)
+            victim = _victim(run)
+            pids = run.worker_pids(victim)
+            died: dict[int, float] = {}
+            stop = threading.Event()
+            watcher = threading.Thread(target=_death_times, args=(pids, stop, died), daemon=True)
+            watcher.start()
+            with run.fault(f"network partition of {victim} (link down) for 5 TTLs") as f:
+                hosts.cut(victim)
+                run.unreachable.add(victim)
+            run.wait_step(0, after=f.time, generation_above=f.generation, timeout=120)
+            time.sleep(max(0.0, f.time + 5 * run.ttl - time.time()))
+            hosts.heal(victim)
+            run.unreachable.discard(victim)
+            stop.set()
+            watcher.join()
+
+            def fenced(r: ChaosRun) -> list[str]:
+                newer = [x for x in r.lines() if x["generation"] > f.generation]
+                if not newer:
+                    return ["no generation after the partition committed a step"]
+                first = min(x["time"] for x in newer)
+                late = {pid: died.get(pid) for pid in pids
+                        if died.get(pid) is None or died[pid] > first}
+                if late:
+                    return [f"{victim}'s workers {late} outlived the first step of the "
+                            f"new generation at {first:.3f} (a second writer)"]
+                return []
+
+            run.finish_and_check(extra_checks=fenced, extra={
+                "victim_workers_died_after_s": sorted(round(t - f.time, 2)
+                                                       for t in died.values())})
+        finally:
+            run.stop()

@@ -159,3 +159,38 @@ def test_a_new_generation_is_progress() -> None:
     beat_until(det, 0, "step", 0, last + 9.5, last + 15, generation=2)
     # Generation 2 began at last + 9.5 (step 0 again): the step deadline counts from there.
     assert det.hung(last + 15.5, FAULT) == []
+
+
+@pytest.mark.parametrize("phase", ["join", "restore", "step", "checkpoint"])
+def test_a_worker_busy_in_a_replaced_generation_is_killed_after_the_grace(phase: str) -> None:
+    det = HangDetector()
+    det.started(0, 0.0)
+    beat_until(det, 0, phase, 3, 0.0, 4.0, generation=1)
+    # Generation 2 is first seen at t=4: the grace counts from then, not from the last progress.
+    assert det.hung(4.0, FAULT, current=2, obsolete_grace=2.0) == []
+    beat_until(det, 0, phase, 3, 5.0, 6.0, generation=1)
+    assert det.hung(5.9, FAULT, current=2, obsolete_grace=2.0) == []
+    ((rank, reason),) = det.hung(6.1, FAULT, current=2, obsolete_grace=2.0)
+    assert rank == 0 and f"phase {phase} of generation 1" in reason and "generation 2" in reason
+
+
+def test_the_replaced_generation_grace_restarts_with_progress_and_spares_idle_workers() -> None:
+    det = HangDetector()
+    for rank in (0, 1):
+        det.started(rank, 0.0)
+    det.beat(0, 1, "step", 3, 0.0)
+    det.beat(1, 1, "idle", 3, 0.0)  # left generation 1, waiting for the next plan
+    assert det.hung(1.0, FAULT, current=2, obsolete_grace=2.0) == []
+    det.step_done(0, 4, 0.5, 2.5)  # still finishing a step of generation 1: progress
+    det.beat(0, 1, "step", 4, 2.5)
+    det.beat(1, 1, "idle", 3, 2.5)
+    assert det.hung(4.0, FAULT, current=2, obsolete_grace=2.0) == []
+    det.beat(1, 1, "idle", 3, 4.5)
+    assert [r for r, _ in det.hung(4.6, FAULT, current=2, obsolete_grace=2.0)] == [0]
+
+
+def test_the_current_generation_is_not_obsolete() -> None:
+    det = HangDetector()
+    det.started(0, 0.0)
+    beat_until(det, 0, "step", 3, 0.0, 8.0, generation=2)
+    assert det.hung(8.0, FAULT, current=2, obsolete_grace=2.0) == []
