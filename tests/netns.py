@@ -4,7 +4,8 @@ The root namespace holds the bridge at <subnet>.1/24, the subnet being the first
 documentation ranges (198.51.100.0/24, 203.0.113.0/24, 192.0.2.0/24; never routed on the
 internet) that this machine does not already use; host i lives in namespace `<tag>-h<i>` with a
 veth whose inside end is `eth0`, at <subnet>.(11 + i). Processes that run there
-(`Host.prefix()`) see only that address and their own loopback, so anything that works across these hosts does not depend on 127.0.0.1.
+(`Host.prefix()`) see only that address and their own loopback, so anything that works across
+these hosts does not depend on 127.0.0.1.
 `Hosts.cut(host)` takes the host's link down (both directions drop, no reset is sent: what a
 pulled cable or a dead switch port looks like), `Hosts.heal(host)` brings it back.
 
