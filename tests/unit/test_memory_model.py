@@ -1,0 +1,183 @@
+"""The memory model reproduces the playbook's numbers and the model's real parameter counts."""
+
+from __future__ import annotations
+
+import pytest
+
+from parallel.job import ModelConfig
+from parallel.layout import Layout
+from parallel.memory_model import (
+    in_flight_microbatches,
+    korthikanti_layer_bytes,
+    layer_activation_bytes,
+    llama_param_counts,
+    peak_memory,
+    rank_memory,
+    state_bytes_per_param,
+    zero_state_bytes,
+)
+
+pytestmark = pytest.mark.unit
+
+GB = 10**9
+
+
+@pytest.mark.parametrize(
+    ("billions", "without_fp32_grads", "with_fp32_grads"),
+    # The playbook's table of model-state memory in mixed precision (GB = 1e9 bytes).
+    [(1, 16, 20), (7, 112, 140), (70, 1120, 1400), (405, 6480, 8100)],
+)
+def test_mixed_precision_state_matches_the_playbook_table(
+    billions: int, without_fp32_grads: int, with_fp32_grads: int
+) -> None:
+    psi = billions * 10**9
+    plain = zero_state_bytes(psi, state_bytes_per_param("bf16"), zero=0, dp=1)
+    accum = zero_state_bytes(psi, state_bytes_per_param("bf16", fp32_grad_accum=True), 0, 1)
+    assert plain.total == without_fp32_grads * GB
+    assert accum.total == with_fp32_grads * GB
+    assert plain.activations == accum.activations == 0
+
+
+def test_fp32_training_is_16_bytes_per_parameter_with_or_without_accumulation() -> None:
+    for accum in (False, True):
+        state = state_bytes_per_param("fp32", accum)
+        assert (state.params, state.grads, state.optimizer) == (4, 4, 8)
+    with pytest.raises(ValueError, match="mixed_precision"):
+        state_bytes_per_param("fp16")
+
+
+@pytest.mark.parametrize("n", [1, 2, 4, 8, 64])
+def test_zero_stages_follow_the_playbook_formulas(n: int) -> None:
+    psi = 7 * 10**9  # divisible by every n above: the formulas hold exactly
+    state = state_bytes_per_param("bf16")
+    expected = {
+        0: (2 * psi, 2 * psi, 12 * psi),
+        1: (2 * psi, 2 * psi, 12 * psi // n),  # 2Ψ + 2Ψ + 12Ψ/N
+        2: (2 * psi, 2 * psi // n, 12 * psi // n),  # 2Ψ + (2 + 12)Ψ/N
+        3: (2 * psi // n, 2 * psi // n, 12 * psi // n),  # (2 + 2 + 12)Ψ/N
+    }
+    for stage, (params, grads, optimizer) in expected.items():
+        got = zero_state_bytes(psi, state, stage, n)
+        assert (got.params, got.grads, got.optimizer) == (params, grads, optimizer), stage
+
+
+def test_zero_shards_round_up_to_whole_parameters() -> None:
+    got = zero_state_bytes(10, state_bytes_per_param("fp32"), zero=3, dp=4)  # 3 params a shard
+    assert (got.params, got.grads, got.optimizer) == (12, 12, 24)
+    with pytest.raises(ValueError, match="zero"):
+        zero_state_bytes(10, state_bytes_per_param("fp32"), zero=4, dp=1)
+
+
+@pytest.mark.parametrize(
+    "cfg",
+    [
+        ModelConfig(),
+        ModelConfig(tie_word_embeddings=True),
+        ModelConfig(hidden_size=96, intermediate_size=200, num_hidden_layers=3,
+                    num_attention_heads=6, num_key_value_heads=2, vocab_size=300),
+    ],
+)
+def test_param_counts_match_the_trainer_model(cfg: ModelConfig) -> None:
+    torch = pytest.importorskip("torch")
+    from trainer.model import build_model
+
+    with torch.device("meta"):
+        model = build_model(cfg)
+    assert llama_param_counts(cfg).total == sum(p.numel() for p in model.parameters())
+
+
+# s = 2048, b = 1, h = 4096, a = 32: sbh = 8_388_608 and 5as/h = 5 * 32 * 2048 / 4096 = 80.
+S, B, H, A = 2048, 1, 4096, 32
+SBH = 8_388_608
+
+
+@pytest.mark.parametrize(
+    ("tp", "sp", "recompute", "expected"),
+    [
+        (1, False, "none", SBH * 114),  # sbh(34 + 80)
+        (1, False, "selective", SBH * 34),
+        (1, False, "full", SBH * 2),
+        (4, False, "none", SBH * 36),  # sbh(10 + 24/4 + 80/4)
+        (4, False, "selective", SBH * 16),  # sbh(10 + 24/4)
+        (4, True, "none", SBH * 57 // 2),  # sbh(34/4 + 80/4) = sbh * 28.5
+        (4, True, "selective", SBH * 17 // 2),  # sbh * 34/4
+        (4, True, "full", SBH // 2),  # 2sbh/4
+        (4, False, "full", SBH * 2),  # without SP each TP rank keeps the whole input
+        (1, True, "none", SBH * 114),  # SP means nothing without TP
+    ],
+)
+def test_korthikanti_table_2_by_hand(tp: int, sp: bool, recompute: str, expected: int) -> None:
+    assert korthikanti_layer_bytes(S, B, H, A, tp, sp, recompute) == expected
+
+
+def test_layer_activations_scale_with_dtype_and_context_parallelism() -> None:
+    model = ModelConfig(hidden_size=H, intermediate_size=11008, num_hidden_layers=32,
+                        num_attention_heads=A, num_key_value_heads=A, max_position_embeddings=S)
+    bf16 = Layout(mixed_precision="bf16")
+    assert layer_activation_bytes(model, bf16, S) == SBH * 114
+    assert layer_activation_bytes(model, Layout(mixed_precision="fp32"), S) == 2 * SBH * 114
+    # cp 2: 1024 local queries, each scored against all 2048 keys:
+    # 1024*4096*34 + 5*32*1024*2048*1 = 142_606_336 + 335_544_320.
+    cp2 = Layout(cp=2, mixed_precision="bf16")
+    assert layer_activation_bytes(model, cp2, S) == 142_606_336 + 335_544_320
+    assert layer_activation_bytes(model, cp2, S, recompute="selective") == 142_606_336
+
+
+@pytest.mark.parametrize(("p", "m"), [(2, 8), (4, 8), (4, 16), (8, 32)])
+def test_in_flight_microbatches_per_schedule(p: int, m: int) -> None:
+    assert in_flight_microbatches("gpipe", p, m) == m
+    assert in_flight_microbatches("1f1b", p, m) == p
+    assert in_flight_microbatches("1f1b", p, m, pp_rank=p - 1) == 1
+    assert in_flight_microbatches("1f1b", p, 1) == 1
+    assert in_flight_microbatches("gpipe", 1, m) == in_flight_microbatches("1f1b", 1, m) == 1
+    for v in (2, 4):
+        # Korthikanti et al.: interleaving costs rank 0 a factor 1 + (p - 1)/(p v) over 1F1B.
+        ratio = (in_flight_microbatches("interleaved_1f1b", p, m, v)
+                 / in_flight_microbatches("1f1b", p, m))
+        assert ratio == pytest.approx(1 + (p - 1) / (p * v))
+
+
+def test_1f1b_first_stage_keeps_activations_of_all_layers_whatever_pp() -> None:
+    # L/p layers times p micro-batches in flight: the first stage holds L layers' worth.
+    model = ModelConfig(num_hidden_layers=8)
+    per_layer = layer_activation_bytes(model, Layout(), 128)
+    for pp in (2, 4, 8):
+        layout = Layout(pp=pp, grad_accum=16, pp_schedule="1f1b")
+        assert rank_memory(model, layout, 128, pp_rank=0).activations == 8 * per_layer
+    gpipe = Layout(pp=4, grad_accum=16, pp_schedule="gpipe")
+    assert rank_memory(model, gpipe, 128, pp_rank=0).activations == 2 * 16 * per_layer
+
+
+def test_rank_memory_splits_state_over_tp_pp_and_dp() -> None:
+    model = ModelConfig()  # untied: embedding on the first stage, head on the last
+    counts = llama_param_counts(model)
+    layers_per_stage = model.num_hidden_layers // 2
+    tp = 2
+    layer = (counts.per_layer - counts.per_layer_norms) // tp + counts.per_layer_norms
+    first = layers_per_stage * layer + counts.embedding // tp
+    last = layers_per_stage * layer + counts.head // tp + counts.final_norm
+    layout = Layout(dp=2, tp=tp, pp=2, zero=3, grad_accum=4)
+    assert rank_memory(model, layout, 128, 0).params == -(-first // 2) * 4
+    assert rank_memory(model, layout, 128, 1).params == -(-last // 2) * 4
+    peak = peak_memory(model, layout, 128)
+    assert peak.total == max(rank_memory(model, layout, 128, r).total for r in (0, 1))
+
+
+def test_bf16_layouts_accumulate_gradients_in_fp32_by_default() -> None:
+    model = ModelConfig()
+    psi = llama_param_counts(model).total
+    got = rank_memory(model, Layout(zero=1, mixed_precision="bf16"), 128, 0)
+    assert (got.params, got.grads, got.optimizer) == (2 * psi, 6 * psi, 12 * psi)
+    plain = rank_memory(model, Layout(zero=1, mixed_precision="bf16"), 128, 0,
+                        fp32_grad_accum=False)
+    assert plain.grads == 2 * psi
+
+
+def test_full_recompute_and_logits_terms() -> None:
+    model = ModelConfig()
+    seq = 128
+    none = layer_activation_bytes(model, Layout(), seq, recompute="none")
+    full = layer_activation_bytes(model, Layout(), seq, recompute="full")
+    logits = seq * model.vocab_size * (4 + 4)  # fp32 logits + fp32 log-probabilities
+    got = rank_memory(model, Layout(recompute="full"), seq, 0).activations
+    assert got == model.num_hidden_layers * full + none + logits
