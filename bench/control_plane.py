@@ -154,6 +154,8 @@ class _Host:
                 reply = await self._wait(msg[1], msg[2])
             elif op == "step":
                 reply = await self._simulate_rank0_step(msg[1], msg[2])
+            elif op == "peer_failure":
+                reply = self._simulate_peer_failure(msg[1])
             elif op == "events":
                 reply, self.events = self.events, []
                 self._marked.clear()
@@ -235,6 +237,9 @@ class _Host:
             d = view.directive
             if "directive" in kinds and d.stop:
                 self._mark("stop_seen", d.generation, now)
+            if "control" in kinds and any(r.op.value == "failure" for r in
+                                          view.control.values()):
+                self._mark("failure_seen", view.generation, now)
             p = view.progress
             if "progress" in kinds and p.stopped:
                 self._mark("progress_seen", p.generation, now)
@@ -255,6 +260,22 @@ class _Host:
         self.events.append(("stop_reported", d.generation, now))
         agent.on_done(pb.DoneReport(generation=d.generation, global_rank=0, local_rank=0,
                                     step=0, stopped=True))
+
+    def _simulate_peer_failure(self, generation: int) -> float | None:
+        """What a surviving worker sends when its collective fails because a peer died: a
+        `peer` failure report to its agent (`ReportFailure`). The first agent of this host
+        that is a member of `generation` reports it; returns when (monotonic), or None."""
+        from daemon.control.records import FailureKind
+
+        for name, agent in sorted(self.agents.items()):
+            plan = agent.view.plan
+            if plan is None or plan.generation != generation or not plan.ranks_of(name):
+                continue
+            now = time.monotonic()
+            agent.on_worker_failure(0, generation, FailureKind.PEER, 0,
+                                    "simulated: a collective failed (Connection reset by peer)")
+            return now
+        return None
 
     async def _simulate_rank0_step(self, generation: int, timeout: float) -> bool:
         """Rank 0's first step report of `generation`, as its worker would send it; True once
@@ -472,9 +493,12 @@ def run_size(n: int, args: argparse.Namespace, work: Path, ctx: Any) -> SizeResu
             gen = _settle(hosts, gen, result.notes)
             _gather(hosts, ("events",), 30)  # forget older events
 
-            # (a) death of the victim: SIGKILL of its process, nothing tells etcd.
+            # (a) death of the victim: SIGKILL of its process, nothing tells etcd. With
+            # `--detect report`, a survivor's worker reports its failed collective at once.
             t_kill = time.monotonic()
             victim.proc.kill()
+            if args.detect == "report":
+                hosts[-1].call("peer_failure", gen, timeout=30)
             seen, events, lag = _collect(hosts, gen + 1, 60, result.notes, refenced)
             victim.proc.join(5)
             last = max((t for t in seen.values() if t is not None), default=None)
@@ -483,6 +507,10 @@ def run_size(n: int, args: argparse.Namespace, work: Path, ctx: Any) -> SizeResu
                                     f"{sum(t is None for t in seen.values())} agent(s)")
                 last = None
             gone = _event(events, "gone", victim.names[0])
+            if args.detect == "report":
+                # The leader revokes the victim's lease when its probe goes unanswered: the
+                # node key goes only after the generation write, so detect = → failure seen.
+                gone = _event(events, "failure_seen", gen)
             written = _event(events, "written", gen + 1)
             result.death.append(Sample(_diff(last, t_kill), {
                 "detect": _diff(gone, t_kill), "decide": _diff(written, gone),
@@ -561,7 +589,10 @@ def report(results: list[SizeResult], args: argparse.Namespace) -> str:
             goal = ", ".join(f"{what} {'meets' if v is not None and v <= GOAL_S else 'misses'}"
                              for what, v in (("death", d), ("join", j)))
         lines.append(f"{r.n:4d} | {_fmt(d):>17} | {_fmt(j):>16} | {goal}")
-    lines += ["", "death breakdown: detect = kill → leader sees the node key gone (lease expiry);",
+    detect = ("kill → leader sees a survivor's failure report (a simulated ReportFailure "
+              "from a worker, sent right after the kill)" if args.detect == "report" else
+              "kill → leader sees the node key gone (lease expiry)")
+    lines += ["", f"death breakdown (--detect {args.detect}): detect = {detect};",
               "decide = → leader's generation write acknowledged (probe + 2 debounced decisions);",
               "fan-out = → the last survivor's view has it", "",
               "   N | detect | decide | fan-out |  total | loop lag",
@@ -586,10 +617,11 @@ def report(results: list[SizeResult], args: argparse.Namespace) -> str:
                      + _fmt(_median([s.parts["lag"] for s in r.join])))
     lines += ["",
               f"goal: every agent sees the new generation within {GOAL_S} s at {GOAL_N} agents.",
-              "death: the victim's process is SIGKILLed; detection is etcd expiring its lease "
-              f"(≤ TTL = {args.ttl} s after the last keepalive), so death→all is bounded below "
-              "by the TTL;",
-              "the part the control plane controls is decide + fan-out.",
+              "death: the victim's process is SIGKILLed; with --detect lease detection is etcd "
+              f"expiring its lease (≤ TTL = {args.ttl} s after the last keepalive), so "
+              "death→all is bounded below by the TTL;",
+              "with --detect report (what a job with workers sees) the leader probes the "
+              "victim at once and revokes its lease.",
               "join: rank 0's `stopped` report is simulated (Agent.on_done with "
               "DoneReport(stopped=True) as soon as rank 0's agent sees the stop directive);",
               "real workers add the time to reach a step boundary and checkpoint.",
@@ -617,6 +649,12 @@ def main(argv: list[str] | None = None) -> int:
                         help="running: rank 0 has reported a step of the generation the node "
                              "joins (simulated), so the leader must stop it first; fresh: no "
                              "step committed yet, the leader replaces it at once")
+    parser.add_argument("--detect", choices=("lease", "report"), default="report",
+                        help="how the death is detected. report: a surviving worker reports "
+                             "its failed collective to its agent right after the kill, as on a "
+                             "cluster with workers (the leader then probes the victim and "
+                             "revokes its lease); lease: nothing reports, etcd expires the "
+                             "victim's lease (≤ TTL)")
     parser.add_argument("--log-level", default="warning", help="host processes' log level")
     args = parser.parse_args(argv)
     sizes = [int(x) for x in args.sizes.split(",") if x.strip()]

@@ -8,6 +8,7 @@ the job (`parallel.layout.resolve`); a later issue grows the search and the pred
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 from collections.abc import Mapping, Sequence
@@ -104,12 +105,20 @@ class Plan:
     def world_size(self) -> int:
         return len(self.ranks)
 
-    @property
+    @functools.cached_property
     def nodes(self) -> tuple[str, ...]:
-        return tuple(dict.fromkeys(r.node for r in self.ranks))
+        """Member nodes in rank order (computed once: agents ask on every view change)."""
+        return tuple(self._ranks_by_node)
 
     def ranks_of(self, node: str) -> tuple[RankInfo, ...]:
-        return tuple(r for r in self.ranks if r.node == node)
+        return self._ranks_by_node.get(node, ())
+
+    @functools.cached_property
+    def _ranks_by_node(self) -> dict[str, tuple[RankInfo, ...]]:
+        by_node: dict[str, list[RankInfo]] = {}
+        for r in self.ranks:
+            by_node.setdefault(r.node, []).append(r)
+        return {node: tuple(ranks) for node, ranks in by_node.items()}
 
     def to_dict(self) -> dict[str, Any]:
         m = self.predicted.memory_bytes

@@ -22,6 +22,7 @@ from daemon.control.decide import decide
 from daemon.control.election import Election, FencedConflict, NotLeader
 from daemon.control.etcd_client import ETCD_ERRORS, Etcd
 from daemon.control.keys import Keys
+from daemon.control.records import ControlOp
 from daemon.control.snapshot import (
     Action,
     ConsumeRequests,
@@ -100,9 +101,10 @@ class Leader:
                 self.election.drop(f"leader key now held by {held[0]}")
                 return
             self._wake.clear()
-            if not again:
+            if not again and not self._urgent():
                 # Let a burst of changes (joins) settle into one decision; the follow-up of our
-                # own actions needs no such wait.
+                # own actions needs no such wait, nor does a reported failure or a generation
+                # that stopped as asked (every moment waited, the whole world idles).
                 await asyncio.sleep(self.debounce_s)
             again = False
             try:
@@ -132,6 +134,14 @@ class Leader:
                 log.warning("leader step failed (%s: %s); retrying", type(exc).__name__, exc)
                 await backoff.sleep()
                 self._wake.set()
+
+    def _urgent(self) -> bool:
+        view = self.view
+        if any(r.op is ControlOp.FAILURE for r in view.control.values()):
+            return True
+        return (view.plan is not None and view.directive.stop
+                and view.directive.generation == view.plan.generation
+                and view.progress.generation == view.plan.generation and view.progress.stopped)
 
     def request_reconcile(self) -> None:
         self._wake.set()
