@@ -1,7 +1,8 @@
 """ultractl: administer a cluster of ultrad agents.
 
     ultractl [-o table|json|yaml] [--endpoint ADDR] [--token-file F] [--context NAME] COMMAND
-      status | nodes | plan | job submit FILE [--set k=v]... [--replace]
+      status | nodes | job submit FILE [--set k=v]... [--replace]
+      plan [--explain] [--world NODESxDEVICES] [--memory BYTES] [--free DIMS] [--job FILE]
       drain NODE | cordon NODE | uncordon NODE | checkpoint | events [-f]
 
 Endpoint and token come from the flags, else ULTRA_ENDPOINT / ULTRA_TOKEN_FILE, else the
@@ -9,6 +10,8 @@ context (--context, ULTRA_CONTEXT or the config's current-context) in
 $XDG_CONFIG_HOME/ultrascale/config. An endpoint may list several agents (a,b,c): the first
 that answers is used. `-o` goes before or after the command. Data goes to stdout,
 diagnostics to stderr.
+`plan` shows the live plan with the planner's predictions; `--world`/`--memory`/`--free` ask
+what the layout search would choose on another world (with `--job FILE`, no cluster needed).
 Exit codes: 0 ok, 1 failure (including a rejected request), 2 usage.
 """
 
@@ -27,7 +30,10 @@ import yaml
 from google.protobuf.json_format import MessageToDict
 
 from daemon.api.auth import call_metadata
+from daemon.cli import whatif
 from daemon.cli.ctlconfig import ContextError, config_path, load_context
+from parallel import job as jobmod
+from parallel.planner import Plan
 from proto.ultrascale.v1 import agent_pb2 as pb
 from proto.ultrascale.v1 import agent_pb2_grpc as pb_grpc
 
@@ -58,7 +64,17 @@ def _parser() -> argparse.ArgumentParser:
                                parents=[common], **kw))
     sub.add_parser("status", help="the job and the cluster at a glance")
     sub.add_parser("nodes", help="members and their state")
-    sub.add_parser("plan", help="the current generation plan")
+    plan = sub.add_parser("plan", help="the current generation plan, with predictions")
+    plan.add_argument("--explain", action="store_true",
+                      help="list the next-best layouts and why the others are invalid")
+    plan.add_argument("--world", help="what-if: search a world of NODESxDEVICES")
+    plan.add_argument("--memory", help="bytes per device for the search (80G, 24GiB); "
+                                       "default 80G")
+    plan.add_argument("--free", default="", help="dimensions the search may change "
+                                                 "(tp,pp,cp,zero,recompute,micro_batch,...)")
+    plan.add_argument("--job", help="a job file instead of the live job (no cluster needed)")
+    plan.add_argument("--set", dest="overrides", action="append", default=[],
+                      metavar="KEY=VALUE", help="override a --job field")
     job = sub.add_parser("job", help="job commands").add_subparsers(dest="job_command",
                                                                     required=True)
     submit = job.add_parser("submit", help="submit a job spec (TOML)")
@@ -198,7 +214,63 @@ def _plan_table(plan: dict[str, Any]) -> Iterable[str]:
         [str(r["global_rank"]), r["node"], str(r["local_rank"])] for r in plan["ranks"]])
 
 
+def _plan(args: argparse.Namespace) -> int:
+    """0, or 1 when a layout search found no valid layout (the reasons are printed)."""
+    wants_search = bool(args.world or args.memory or args.free or args.explain or args.job)
+    plan: dict[str, Any] = {}
+    job = None
+    try:
+        memory = whatif.parse_bytes(args.memory) if args.memory else whatif.DEFAULT_MEMORY
+        free = whatif.parse_free(args.free)
+        world = whatif.parse_world(args.world) if args.world else None
+        if args.job:
+            try:
+                job = jobmod.loads(Path(args.job).read_text(), overrides=args.overrides)
+            except OSError as exc:
+                raise CtlError(f"{args.job}: {exc.strerror}", 2) from None
+            except jobmod.ConfigError as exc:
+                raise CtlError(f"{args.job}: {exc}", 2) from None
+            if world is None:
+                raise CtlError("--job needs --world NODESxDEVICES", 2)
+        else:
+            stub, md = _connect(args)
+            reply = stub.GetPlan(pb.GetPlanRequest(), timeout=args.timeout, metadata=md)
+            plan = json.loads(reply.plan_json) if reply.plan_json else {}
+            # The job's state rides along; the plan's own `reason` says why it was made.
+            plan.update({"state": reply.state, "job_reason": reply.reason})
+            if "layout" in plan:
+                live = Plan.from_dict(plan)
+                job = live.job
+                here = whatif.world_of(plan["ranks"])
+                plan["model_prediction"] = whatif.predict(job, live.layout, here.devices_per_node)
+                world = world or here
+            elif wants_search:
+                raise CtlError("no generation yet to search from: pass --job FILE", 1)
+        if wants_search and job is not None and world is not None:
+            plan["search"] = whatif.search(job, world, memory, free)
+    except whatif.WhatIfError as exc:
+        raise CtlError(str(exc), 2) from None
+    _emit(plan, args.output, lambda p: _plan_lines(p, args.explain))
+    return 1 if "search" in plan and plan["search"]["best"] is None else 0
+
+
+def _plan_lines(plan: dict[str, Any], explain: bool) -> Iterable[str]:
+    if "layout" in plan or "state" in plan:
+        yield from _plan_table(plan)
+    pred = plan.get("model_prediction")
+    if pred:
+        m = pred["memory_bytes"]
+        yield (f"predicted: {m['total'] / 1e9:.3f} GB per device (params "
+               f"{m['params'] / 1e9:.3f}, grads {m['grads'] / 1e9:.3f}, optimizer "
+               f"{m['optimizer'] / 1e9:.3f}, activations {m['activations'] / 1e9:.3f}); "
+               f"bubble {pred['bubble_ratio']:.3f}, recompute {pred['recompute_ratio']:.3f}")
+    if "search" in plan:
+        yield from whatif.render(plan["search"], explain)
+
+
 def run(args: argparse.Namespace) -> int:
+    if args.command == "plan":
+        return _plan(args)
     stub, md = _connect(args)
     t, out = args.timeout, args.output
     if args.command == "status":
@@ -208,12 +280,6 @@ def run(args: argparse.Namespace) -> int:
     elif args.command == "nodes":
         reply = stub.ListNodes(pb.ListNodesRequest(), timeout=t, metadata=md)
         _emit([_dict(n) for n in reply.nodes], out, _nodes_table)
-    elif args.command == "plan":
-        reply = stub.GetPlan(pb.GetPlanRequest(), timeout=t, metadata=md)
-        plan = json.loads(reply.plan_json) if reply.plan_json else {}
-        # The job's state rides along; the plan's own `reason` says why it was made.
-        plan.update({"state": reply.state, "job_reason": reply.reason})
-        _emit(plan, out, _plan_table)
     elif args.command == "job":
         try:
             text = Path(args.file).read_text()

@@ -34,6 +34,11 @@ def test_status_nodes_and_plan(shared_cluster: Cluster) -> None:
     leader = next(n for n in nodes if n["leader"])
     assert plan["store"]["host"] == leader["address"].rpartition(":")[0]
     assert plan["store"]["port"] > 0
+    # The planner's model for the live layout, and a what-if search on another world.
+    assert plan["model_prediction"]["memory_bytes"]["params"] > 0
+    whatif = json.loads(c.ctl("-o", "json", "plan", "--world", "2x1", "--memory", "1G").stdout)
+    assert whatif["search"]["world"] == "2x1" and whatif["search"]["best"] is not None
+    assert "dp 3" in c.ctl("plan", "--explain").stdout
     assert c.ctl("-o", "yaml", "status").stdout.startswith("agent_state:")
     assert status["state"] == "running" and status["reason"] == ""
     # kubectl habit: the output flag after the command works too.
