@@ -152,8 +152,6 @@ def resolve(job: JobConfig, world_size: int, devices_per_node: int | None = None
 def check_supported(layout: Layout) -> None:
     """Reject what the workers cannot apply yet, so a plan never names an impossible layout."""
     check_pipeline(layout)
-    if layout.cp > 1:
-        raise ConfigError(f"parallel.cp > 1 is not yet supported (got {layout.cp})")
 
 
 def check_pipeline(layout: Layout) -> None:

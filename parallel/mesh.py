@@ -3,6 +3,11 @@
 Global ranks are node-major and tp is the fastest-varying dim, so a TP group is made of
 consecutive ranks and never spans nodes as long as tp divides the devices per node.
 
+Gradients and the step's loss and token sums reduce over dp x cp: the cp ranks of a replica
+read the same samples, each a share of every sequence (parallel.context_parallel), so for ZeRO
+and FSDP2 they are data-parallel ranks like the dp ones. With cp > 1 that group is a flattened
+"dp_cp" dim of the mesh; `data_mesh` returns it (the plain dp dim at cp 1).
+
 Every sub-group gets the job's process-group timeout. `init_device_mesh` otherwise creates
 them with torch's default (30 minutes), whatever the default group's timeout: a rank that
 vanished mid-collective would then hold its TP or DP peers for half an hour.
@@ -19,6 +24,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from parallel.layout import Layout
 
 MESH_DIMS = ("pp", "dp", "cp", "tp")
+DATA_DIM = "dp_cp"
 
 
 def _timeout_options(device_type: str, timeout: timedelta) -> C10dBackend.Options:
@@ -37,9 +43,21 @@ def _timeout_options(device_type: str, timeout: timedelta) -> C10dBackend.Option
 
 
 def build_mesh(layout: Layout, device_type: str, timeout: timedelta) -> DeviceMesh:
-    return init_device_mesh(
+    mesh = init_device_mesh(
         device_type,
         (layout.pp, layout.dp, layout.cp, layout.tp),
         mesh_dim_names=MESH_DIMS,
         backend_override={dim: _timeout_options(device_type, timeout) for dim in MESH_DIMS},
     )
+    if layout.cp > 1:
+        # Created here, once, with the timeout; `data_mesh` finds it again by name.
+        mesh["dp", "cp"]._flatten(DATA_DIM, _timeout_options(device_type, timeout))
+    return mesh
+
+
+def data_mesh(mesh: DeviceMesh) -> DeviceMesh:
+    """The ranks that gradients and loss sums reduce over: dp x cp (1-D)."""
+    if mesh["cp"].size() == 1:
+        return mesh["dp"]
+    # Flattening again under the same name returns the mesh build_mesh made.
+    return mesh["dp", "cp"]._flatten(DATA_DIM)

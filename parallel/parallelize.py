@@ -1,6 +1,7 @@
 """Apply a layout to a single-device model, in one fixed order.
 
-Order (docs/architecture.md, "Workers"): TP/SP -> PP split -> recompute -> ZeRO/FSDP2 -> materialise.
+Order (docs/architecture.md, "Workers"): TP/SP -> CP -> PP split -> recompute -> ZeRO/FSDP2 ->
+materialise.
 Each technique lives in its own module; this file only sequences them.
 """
 
@@ -9,7 +10,9 @@ from __future__ import annotations
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from parallel.context_parallel import apply_context_parallel
 from parallel.layout import Layout, check_supported
+from parallel.mesh import data_mesh
 from parallel.mixed_precision import mixed_precision_policy
 from parallel.pipeline import split_stages
 from parallel.recompute import RecomputeMeter, apply_recompute
@@ -33,12 +36,16 @@ def parallelize(
     check_supported(layout)
     # 1. TP/SP: parameters become DTensors on the tp mesh (parallel.tensor_parallel).
     apply_tensor_parallel(model, layout, mesh["tp"])
-    # 2. PP split.
+    # 2. CP: ring attention over the cp dim and RoPE at global positions, on the shared blocks
+    #    before the split so every stage holding a block sees it (parallel.context_parallel).
+    apply_context_parallel(model, mesh["cp"])
+    # 3. PP split.
     parts = split_stages(model, layout, mesh["pp"].get_local_rank()) if layout.pp > 1 else [model]
-    # 3. Recompute, inside FSDP2's hooks so a recomputed block finds its parameters gathered.
+    # 4. Recompute, inside FSDP2's hooks so a recomputed block finds its parameters gathered.
     apply_recompute(model, layout.recompute, recompute_meter or RecomputeMeter())
-    # 4. ZeRO: FSDP2 for ZeRO-2/3 (2-D with TP); ZeRO-1 lives in the optimizer (parallel.zero).
+    # 5. ZeRO: FSDP2 for ZeRO-2/3 (2-D with TP); ZeRO-1 lives in the optimizer (parallel.zero).
+    #    Over dp x cp: cp ranks hold gradients of different tokens, summed like dp's.
     for part in parts:
         # One FSDP root per stage: the schedule reduces each stage's gradients once per step.
-        apply_zero(part, layout, mesh["dp"], mixed_precision_policy(layout))
+        apply_zero(part, layout, data_mesh(mesh), mixed_precision_policy(layout))
     return parts

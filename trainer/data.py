@@ -10,6 +10,10 @@ micro_batch` slots. Slot k holds sample s*G + k; slots k >= G are zero-weight pa
 targets ignored) so that every rank runs the same number of equally shaped micro-batches and
 so issues the same collectives. Micro-batch m of dp rank r holds slots
 [(m*dp + r)*mb, (m*dp + r + 1)*mb): padding lands in the last micro-batches, spread over ranks.
+
+Context parallelism splits each micro-batch once more, along the sequence: the cp ranks of dp
+rank r read r's micro-batches and each keeps its zig-zag share of the tokens of every sample
+(parallel.context_parallel), inputs and targets alike.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ import numpy as np
 import torch
 
 from ops.loss import IGNORE_INDEX
+from parallel.context_parallel import shard_sequence
 from parallel.job import ConfigError, DataConfig
 from trainer.prepare import builtin_corpus
 from trainer.tokens import TokenFileError, open_tokens
@@ -93,12 +98,21 @@ def step_micro_batches(
     dp_rank: int,
     micro_batch_size: int,
     grad_accum: int,
+    cp: int = 1,
+    cp_rank: int = 0,
 ) -> list[MicroBatch]:
-    """The micro-batches of 0-based `step` that dp rank `dp_rank` runs, in order."""
-    return [
-        micro_batch(stream, slot_ids(step, global_batch, dp, dp_rank, m, micro_batch_size))
-        for m in range(grad_accum)
-    ]
+    """The micro-batches of 0-based `step` that dp rank `dp_rank` (cp rank `cp_rank`) runs."""
+    out = []
+    for m in range(grad_accum):
+        mb = micro_batch(stream, slot_ids(step, global_batch, dp, dp_rank, m, micro_batch_size))
+        if cp > 1:
+            mb = MicroBatch(
+                shard_sequence(mb.inputs, cp, cp_rank),
+                shard_sequence(mb.targets, cp, cp_rank),
+                mb.sample_ids,
+            )
+        out.append(mb)
+    return out
 
 
 def open_stream(data: DataConfig, seq_len: int, seed: int, vocab_size: int) -> SampleStream:

@@ -21,6 +21,7 @@ from checkpoint.state import Progress, TrainState
 from ops.loss import count_tokens, cross_entropy_sum
 from parallel.job import JobConfig, TrainConfig
 from parallel.layout import Layout, predicted_bubble
+from parallel.mesh import data_mesh
 from parallel.mixed_precision import compute_context
 from parallel.parallelize import parallelize
 from parallel.pipeline import Pipeline
@@ -110,7 +111,7 @@ class Trainer:
         init_weights(self.model, cfg.train.seed)
         for part in parts:
             part.init_buffers(device)
-        zero1 = mesh["dp"] if mesh is not None and layout.zero == 1 else None
+        zero1 = data_mesh(mesh) if mesh is not None and layout.zero == 1 else None
         self.optimizer = build_optimizer(self.model, cfg.train, zero1)
         self.progress = Progress()
         self.state = TrainState(self.model, self.optimizer, self.progress)
@@ -118,7 +119,9 @@ class Trainer:
             cfg.data, cfg.train.seq_len, cfg.train.seed, cfg.model.vocab_size
         )
         self.dp_rank = mesh["dp"].get_local_rank() if mesh is not None else 0
-        self.dp_group = mesh["dp"].get_group() if mesh is not None else None
+        self.cp_rank = mesh["cp"].get_local_rank() if mesh is not None else 0
+        # Loss and token sums reduce over dp x cp: each cp rank holds a share of the tokens.
+        self.dp_group = data_mesh(mesh).get_group() if mesh is not None else None
         self.pp_group = mesh["pp"].get_group() if mesh is not None and layout.pp > 1 else None
         self.pipeline = (
             Pipeline(parts, layout, self.pp_group, device, self._micro_batch_loss)
@@ -153,6 +156,8 @@ class Trainer:
             self.dp_rank,
             layout.micro_batch,
             layout.grad_accum,
+            layout.cp,
+            self.cp_rank,
         )
         bubble: dict = {}
         if self.pipeline is not None:

@@ -9,6 +9,7 @@ keeps the fully qualified names (and so the checkpoint keys) of the ones it keep
 from __future__ import annotations
 
 import zlib
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -28,6 +29,9 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(cfg.hidden_size, cfg.num_key_value_heads * cfg.head_dim, bias=False)
         self.v_proj = nn.Linear(cfg.hidden_size, cfg.num_key_value_heads * cfg.head_dim, bias=False)
         self.o_proj = nn.Linear(cfg.num_attention_heads * cfg.head_dim, cfg.hidden_size, bias=False)
+        # softmax(QK^T)V on (batch, heads, seq, head_dim); context parallelism swaps in ring
+        # attention over its group (parallel.context_parallel).
+        self.core: Callable[..., torch.Tensor] = attention
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         b, s, _ = x.shape
@@ -36,7 +40,7 @@ class Attention(nn.Module):
         k = self.k_proj(x).view(b, s, -1, self.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(b, s, -1, self.head_dim).transpose(1, 2)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        out = attention(q, k, v, causal=True)
+        out = self.core(q, k, v, causal=True)
         return self.o_proj(out.transpose(1, 2).reshape(b, s, -1))
 
 

@@ -103,3 +103,32 @@ def test_sub_groups_and_the_checkpoint_group_time_out(tmp_path: Path):
     # ~10 beats a second; a thread starved by a held interpreter lock would send about one
     assert beats >= waited * 10 / 2, results[0]
     assert time.monotonic() - started < 60
+
+
+def _data_group_rank(rank: int, port: int, out: str) -> None:
+    from parallel.mesh import build_mesh, data_mesh
+
+    torch.set_num_threads(1)
+    store = dist.TCPStore("127.0.0.1", port, 4, is_master=rank == 0, timeout=timedelta(seconds=60))
+    dist.init_process_group(
+        "gloo", store=store, rank=rank, world_size=4, timeout=timedelta(seconds=60)
+    )
+    layout = resolve(loads('[data]\nsource = "python-stdlib"\n[parallel]\ncp = 2\n'), 4)
+    mesh = build_mesh(layout, "cpu", timedelta(seconds=SUB_TIMEOUT_S))
+    group = data_mesh(mesh).get_group()
+    result = {
+        "size": dist.get_world_size(group),
+        "timeout": group._get_backend(torch.device("cpu")).options._timeout.total_seconds(),
+    }
+    (Path(out) / f"rank{rank}.json").write_text(json.dumps(result))
+    dist.destroy_process_group()
+
+
+def test_flattened_data_parallel_group_gets_the_timeout(tmp_path: Path):
+    """dp2 x cp2: gradients reduce over a flattened dp x cp group, bounded like the others."""
+    mp.start_processes(
+        _data_group_rank, args=(_free_port(), str(tmp_path)), nprocs=4, start_method="spawn"
+    )
+    for rank in range(4):
+        result = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert result == {"size": 4, "timeout": SUB_TIMEOUT_S}, (rank, result)

@@ -7,10 +7,12 @@ from collections import Counter
 
 import numpy as np
 import pytest
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ops.loss import IGNORE_INDEX
+from parallel.context_parallel import zigzag_positions
 from parallel.job import ConfigError, DataConfig
 from trainer.data import SampleStream, open_stream, slot_ids, step_micro_batches
 from trainer.prepare import prepare
@@ -57,6 +59,26 @@ def test_padding_slots_carry_no_targets(token_file):
     sample = stream.sample(24)
     assert batches[0].inputs[0].tolist() == sample[:-1].tolist()
     assert batches[0].targets[0].tolist() == sample[1:].tolist()
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+def test_context_parallel_ranks_share_the_tokens_of_the_same_samples(cp):
+    """The cp ranks of a dp rank read its micro-batches; their zig-zag shares put together are
+    every token of every sample once, inputs and targets alike."""
+    stream = SampleStream(np.arange(5000, dtype=np.uint16) % 256, 16, seed=1)
+    whole = step_micro_batches(stream, 3, 10, 2, 1, 2, 3)
+    shares = [step_micro_batches(stream, 3, 10, 2, 1, 2, 3, cp, r) for r in range(cp)]
+    for m, full in enumerate(whole):
+        parts = [s[m] for s in shares]
+        assert all(p.sample_ids == full.sample_ids for p in parts)
+        for field in ("inputs", "targets"):
+            tokens = torch.cat([getattr(p, field) for p in parts], dim=1)
+            order = torch.cat([zigzag_positions(16, cp, r) for r in range(cp)])
+            assert tokens.shape == getattr(full, field).shape
+            assert torch.equal(tokens, getattr(full, field)[:, order])
+    assert sorted(torch.cat([zigzag_positions(16, cp, r) for r in range(cp)]).tolist()) == list(
+        range(16)
+    )
 
 
 def test_prepare_bytes_roundtrip(tmp_path):

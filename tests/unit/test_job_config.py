@@ -79,7 +79,7 @@ def test_bad_spec_names_the_field(text, overrides, field):
         (8, {"dp": 3}, "parallel.dp x tp x pp x cp"),
         (4, {"tp": 3}, "parallel.tp"),
         (20, {"dp": 20}, "parallel.dp must be <= train.global_batch"),
-        (2, {"cp": 2}, "parallel.cp > 1 is not yet supported"),
+        (3, {"cp": 3}, "train.seq_len must be a multiple of 2 x parallel.cp"),
     ],
 )
 def test_layout_checks_against_the_world(world, parallel, field):

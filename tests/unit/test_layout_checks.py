@@ -61,7 +61,8 @@ def job(parallel: dict, model: dict | None = None):
             "model.tie_word_embeddings needs parallel.tp = 1",
         ),
         (6, {"tp": 4}, None, None, "parallel.tp x pp x cp = 4 must divide the number of devices"),
-        (2, {"cp": 2}, None, None, "parallel.cp > 1 is not yet supported"),
+        (3, {"cp": 3}, None, None, "train.seq_len must be a multiple of 2 x parallel.cp"),
+        (4, {"cp": 4}, None, None, None),
     ],
 )
 def test_impossible_layout_names_the_constraint(world, parallel, model, devices_per_node, message):
@@ -81,6 +82,8 @@ def test_impossible_layout_names_the_constraint(world, parallel, model, devices_
         (8, {"tp": 4, "recompute": '"selective"'}, 8),
         (8, {"tp": 2, "pp": 2, "zero": 2, "mixed_precision": '"bf16"'}, 2),
         (2, {"recompute": '"full"', "zero": 1, "mixed_precision": '"bf16"'}, None),
+        (8, {"cp": 2, "tp": 2, "sequence_parallel": "true"}, 4),
+        (16, {"cp": 2, "tp": 2, "pp": 2, "zero": 1}, 2),
     ],
 )
 def test_supported_layouts_resolve(world, parallel, devices_per_node):
