@@ -68,7 +68,8 @@ class Agent:
         self._follow = asyncio.Event()
         self._seen_generation = 0
         self._failure_at: tuple[float, int] | None = None  # (monotonic, generation) of a failure
-        self._hung: dict[int, str] = {}  # local ranks killed as hung, and why
+        # local ranks killed as hung: why, and the generation they hung in
+        self._hung: dict[int, tuple[str, int]] = {}
         # The newest generation a local worker failed in: it is broken, never hand it out again.
         self.broken_generation = 0
 
@@ -352,23 +353,27 @@ class Agent:
         hung = self._hung.pop(exit_.local_rank, None)
         if exit_.expected and hung is None:
             return
+        generation = self.view.generation
         if hung is not None:
-            kind, message = FailureKind.HANG, hung
+            kind, (message, hung_in) = FailureKind.HANG, hung
+            # A worker stuck in a generation that was already replaced fails that one, not the
+            # current one (whose world waits for this local rank's fresh worker).
+            generation = min(generation, hung_in) if hung_in else generation
         else:
             kind = FailureKind.EXIT
             message = f"worker local_rank={exit_.local_rank} exited with {exit_.returncode}" \
                       + (f": {exit_.error}" if exit_.error else "")
         progress = self.view.progress
-        step = progress.step if progress.generation == self.view.generation else -1
-        self.on_worker_failure(exit_.local_rank, self.view.generation, kind, step, message)
+        step = progress.step if progress.generation == generation else -1
+        self.on_worker_failure(exit_.local_rank, generation, kind, step, message)
         plan = self.view.plan
         if plan is not None and self.node_id in plan.nodes and self.supervisor is not None:
             # Replace it at once: the next generation will want this local rank again.
             self.tasks.spawn(self._ensure_workers(plan), f"respawn-{exit_.local_rank}",
                              long_lived=False)
 
-    async def _kill_hung(self, local_rank: int, reason: str) -> None:
+    async def _kill_hung(self, local_rank: int, reason: str, generation: int) -> None:
         if self.supervisor is None:
             return
-        self._hung[local_rank] = f"worker local_rank={local_rank} hung: {reason}"
+        self._hung[local_rank] = (f"worker local_rank={local_rank} hung: {reason}", generation)
         await self.supervisor.stop([local_rank], grace=0)

@@ -22,7 +22,6 @@ from daemon.control.decide import decide
 from daemon.control.election import Election, FencedConflict, NotLeader
 from daemon.control.etcd_client import ETCD_ERRORS, Etcd
 from daemon.control.keys import Keys
-from daemon.control.records import ControlOp
 from daemon.control.snapshot import (
     Action,
     ConsumeRequests,
@@ -101,10 +100,11 @@ class Leader:
                 self.election.drop(f"leader key now held by {held[0]}")
                 return
             self._wake.clear()
-            if not again and not self._urgent():
-                # Let a burst of changes (joins) settle into one decision; the follow-up of our
-                # own actions needs no such wait, nor does a reported failure or a generation
-                # that stopped as asked (every moment waited, the whole world idles).
+            if not again and not self._stopped_as_asked():
+                # Let a burst of changes settle into one decision: joins, and the failure
+                # reports of one fault (every rank of a broken world reports; a decision on the
+                # first alone would blame its node only). The follow-up of our own actions needs
+                # no such wait, nor does a generation that stopped as asked.
                 await asyncio.sleep(self.debounce_s)
             again = False
             try:
@@ -135,10 +135,8 @@ class Leader:
                 await backoff.sleep()
                 self._wake.set()
 
-    def _urgent(self) -> bool:
+    def _stopped_as_asked(self) -> bool:
         view = self.view
-        if any(r.op is ControlOp.FAILURE for r in view.control.values()):
-            return True
         return (view.plan is not None and view.directive.stop
                 and view.directive.generation == view.plan.generation
                 and view.progress.generation == view.plan.generation and view.progress.stopped)

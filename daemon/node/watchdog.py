@@ -61,6 +61,11 @@ class HangDetector:
         """A new worker process: it has until its first heartbeat like any other deadline."""
         self._ranks[local_rank] = _Rank(started_at=now, progress_at=now)
 
+    def generation_of(self, local_rank: int) -> int:
+        """The generation the rank last said it was in (0: none yet)."""
+        r = self._ranks.get(local_rank)
+        return r.generation if r is not None else 0
+
     def forget(self, local_rank: int) -> None:
         self._ranks.pop(local_rank, None)
 
@@ -123,7 +128,8 @@ class HangDetector:
         return out
 
 
-Kill = Callable[[int, str], Awaitable[None]]
+# (local_rank, reason, the generation it hung in; 0 when it never said)
+Kill = Callable[[int, str, int], Awaitable[None]]
 
 
 class Watchdog:
@@ -146,5 +152,6 @@ class Watchdog:
                                       self.obsolete_grace)
             for rank, reason in hung:
                 log.error("worker local_rank=%d is hung: %s; killing it", rank, reason)
+                generation = self.detector.generation_of(rank)
                 self.detector.forget(rank)
-                await self.kill(rank, reason)
+                await self.kill(rank, reason, generation)
