@@ -14,13 +14,10 @@ culprit is killed.
 
 A worker still busy (joining, restoring, stepping, checkpointing) in a generation older than the
 newest one is waiting on a world that has moved on: a peer cut off by the network sends no
-reset, and a gloo collective cannot be aborted, so it would sit until its process-group timeout
-(with 30 s steps, minutes). A worker still joining is killed once the newer generation is
-`obsolete_grace` old; one in a collective gets the worker->agent RPC deadline on top, because
-a peer whose agent is merely stopped leaves the old world by itself within that deadline, and
-a surviving worker that just leaves too needs no cold restart. Generations are only replaced
-after the old one stopped or failed, so this never kills a worker whose world could still
-finish the step.
+reset, and a gloo collective cannot be aborted, so it would sit until its process-group timeout.
+Once the newer generation is `obsolete_grace` old (and the worker made no progress in that
+time) it is killed too. Generations are only replaced after the old one stopped or failed, so
+this never kills a worker whose world could still finish the step.
 
 `HangDetector` is pure (time is an argument); `Watchdog` applies it.
 """
@@ -107,13 +104,9 @@ class HangDetector:
         if current > self._current:
             self._current, self._current_since = current, now
         out = []
-        # A peer whose agent is stopped leaves the old world within its RPC deadline (the
-        # worker's, trainer/agent_link.rpc_timeout): give the collective that long first.
-        peer_leaves_s = min(fault.heartbeat_timeout_s, fault.hang_floor_s / 2)
         for rank, r in sorted(self._ranks.items()):
-            grace = obsolete_grace if r.phase == "join" else obsolete_grace + peer_leaves_s
             if r.phase != "idle" and 0 < r.generation < current \
-                    and now - max(r.progress_at, self._current_since) > grace:
+                    and now - max(r.progress_at, self._current_since) > obsolete_grace:
                 out.append((rank, f"still in phase {r.phase} of generation {r.generation} "
                                   f"{now - self._current_since:.1f}s after generation "
                                   f"{current} began"))
