@@ -90,6 +90,9 @@ class ParallelConfig:
     # Uneven global batches: pad each step with zero-weight samples up to dp x micro_batch x
     # grad_accum, so every rank runs the same micro-batches and collectives.
     pad_uneven: bool = True
+    # Bit-identical steps whatever dp and the ZeRO stage: exact fixed-point gradient, norm and
+    # loss sums and deterministic kernels (parallel.reproducible, docs/reproducible.md).
+    reproducible: bool = False
 
 
 @dataclass(frozen=True)

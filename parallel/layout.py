@@ -130,6 +130,11 @@ def resolve(job: JobConfig, world_size: int, devices_per_node: int | None = None
             f"train.seq_len must be a multiple of 2 x parallel.cp for zig-zag context parallelism "
             f"(got {t.seq_len}, cp {p.cp})"
         )
+    if p.reproducible and (p.tp, p.pp, p.cp) != (1, 1, 1):
+        raise ConfigError(
+            f"parallel.reproducible covers data parallelism and ZeRO only: parallel.tp, pp and cp "
+            f"must be 1 (got tp {p.tp}, pp {p.pp}, cp {p.cp}); see docs/reproducible.md"
+        )
     grad_accum = math.ceil(t.global_batch / (dp * p.micro_batch))
     layout = Layout(
         dp=dp,

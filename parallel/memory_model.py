@@ -129,6 +129,81 @@ def llama_param_counts(model: ModelConfig) -> ParamCounts:
     )
 
 
+@dataclass(frozen=True)
+class ParamShape:
+    """One parameter tensor of `trainer/model.py`'s Llama and the dim tensor parallelism splits
+    (`parallel/tensor_parallel.py`: column-wise q/k/v/gate/up and head on dim 0, row-wise o/down
+    on dim 1, the embedding on the vocabulary, dim 0; norms replicated, None).
+
+    `whole_grad`: the embedding's gradient comes out of DTensor's embedding backward replicated
+    over tp (the whole vocabulary), however the weight is split."""
+
+    shape: tuple[int, ...]
+    tp_dim: int | None
+    whole_grad: bool = False
+
+
+def llama_param_shapes(model: ModelConfig) -> dict[str, tuple[ParamShape, ...]]:
+    """Parameter tensors by where they live: "layer" (one decoder layer), "embedding",
+    "final_norm" and "head" (empty when tied to the embedding)."""
+    h, i = model.hidden_size, model.intermediate_size
+    q_dim = model.num_attention_heads * model.head_dim
+    kv_dim = model.num_key_value_heads * model.head_dim
+    layer = (
+        ParamShape((h,), None),  # input_layernorm
+        ParamShape((q_dim, h), 0), ParamShape((kv_dim, h), 0), ParamShape((kv_dim, h), 0),
+        ParamShape((h, q_dim), 1),  # o_proj
+        ParamShape((h,), None),  # post_attention_layernorm
+        ParamShape((i, h), 0), ParamShape((i, h), 0), ParamShape((h, i), 1),  # gate, up, down
+    )
+    head = () if model.tie_word_embeddings else (ParamShape((model.vocab_size, h), 0),)
+    return {"layer": layer, "embedding": (ParamShape((model.vocab_size, h), 0, whole_grad=True),),
+            "final_norm": (ParamShape((h,), None),), "head": head}
+
+
+def _chunk(size: int, parts: int) -> int:
+    """The largest piece of `size` split in `parts` as torch.chunk (and DTensor's Shard) does:
+    the first rank's, the one this model predicts."""
+    return -(-size // parts)
+
+
+@dataclass(frozen=True)
+class ShardedCounts:
+    """Elements of each kind of model state one rank holds, and its parameter tensors."""
+
+    params: int = 0
+    grads: int = 0
+    optimizer: int = 0
+    tensors: int = 0
+
+    def __add__(self, other: ShardedCounts) -> ShardedCounts:
+        return ShardedCounts(self.params + other.params, self.grads + other.grads,
+                             self.optimizer + other.optimizer, self.tensors + other.tensors)
+
+
+def sharded_counts(p: ParamShape, tp: int, zero: int, shards: int) -> ShardedCounts:
+    """Elements of one parameter's state on the first rank, as this code base shards them.
+
+    TP splits `p.tp_dim` (tp > 1). ZeRO-2/3 are FSDP2 (`parallel/zero.py`), which shards dim 0
+    of the TP-local tensor into padded chunks and holds parameters, gradients and optimizer
+    state as those shards (ZeRO-2 gathers parameters once per step, but keeps only the shards at
+    rest). ZeRO-1 keeps the TP-local parameter and gradient whole, and its optimizer state on a
+    slice of the first dim TP leaves whole (dim 0 when tp = 1); the gradient is whole as
+    autograd made it (`ParamShape.whole_grad`) until ZeRO-1's reduce-scatter.
+    """
+    local = list(p.shape)
+    if tp > 1 and p.tp_dim is not None:
+        local[p.tp_dim] = _chunk(local[p.tp_dim], tp)
+    whole = math.prod(local)
+    if zero >= 2:
+        shard = _chunk(local[0], shards) * whole // local[0]
+        return ShardedCounts(shard, shard, shard, 1)
+    dim = next(d for d in range(len(local)) if tp == 1 or d != p.tp_dim)
+    piece = _chunk(local[dim], shards) * whole // local[dim]
+    grad = math.prod(p.shape) if p.whole_grad and tp > 1 else whole
+    return ShardedCounts(whole, grad, piece if zero == 1 else whole, 1)
+
+
 def korthikanti_layer_bytes(
     seq: int, micro_batch: int, hidden: int, heads: int, tp: int = 1,
     sequence_parallel: bool = False, recompute: str = "none", kv_seq: int | None = None,
@@ -162,22 +237,60 @@ def korthikanti_layer_bytes(
     return -(-numerator // tp)
 
 
+def _div(numerator: int, tp: int) -> int:
+    return -(-numerator // tp)
+
+
+def _norm_bytes(tokens: int, hidden: int, dtype: int, tp: int, sp: bool) -> int:
+    """What an RMSNorm (`ops/norm.py`) and the matmul after it keep: the fp32 input and the
+    per-token rsqrt (for the norm's own backward), the normalised input (for its weight's
+    gradient), and the scaled output the projection saves; with SP the first three are on 1/tp
+    of the sequence and the projection saves the all-gathered output."""
+    th = tokens * hidden
+    sharded = th * 4 + tokens * 4 + th * dtype
+    return (_div(sharded, tp) if sp else sharded) + th * dtype
+
+
 def layer_activation_bytes(
     model: ModelConfig, layout: Layout, seq_len: int, recompute: str | None = None
 ) -> int:
-    """One layer's activations for one micro-batch on one device of `layout`.
+    """One layer's saved activations for one micro-batch on one device of `layout`.
 
-    Table 2 (see `korthikanti_layer_bytes`) on this device's share of the sequence: context
-    parallelism gives each rank seq/cp queries, which still attend to all seq keys over the
-    ring, so the s·b·h terms shrink by cp and so does the score term a·s²·b (playbook,
-    "Context Parallelism"). Table 2 counts 16-bit activations; fp32 training doubles it.
+    What autograd saves for `trainer/model.py`'s block (counted with saved-tensor hooks by
+    `trainer/memory_meter.py`), with T = b·s/cp tokens, t = tp and c bytes per compute element:
+
+    - two norms (`_norm_bytes`): 6Tc·h + 8T without SP;
+    - attention: RoPE'd q, k and v repeated to all a heads (GQA), and the output (4T·a·d/t
+      elements), plus the fp32 log-sum-exp per head (4T·a/t bytes) of SDPA/flash attention,
+      which never stores the s² scores (unlike Korthikanti et al.'s table, see
+      `korthikanti_layer_bytes`; playbook, "Memory usage in Transformers");
+    - MLP: gate and up outputs, SiLU(gate) and the product (4T·i/t elements);
+    - RoPE rows a layer selects for itself (context parallelism's global positions, or a cast to
+      bf16): 4·(s/cp)·d elements; otherwise the shared fp32 tables, counted once per rank.
+
+    Selective recompute (`parallel/recompute.py`) keeps the block input and the matmul outputs
+    (q, k, v, o, gate, up, down); full recompute keeps the block input only; 1/tp of it with SP.
     """
     mode = layout.recompute if recompute is None else recompute
-    per_16bit = korthikanti_layer_bytes(
-        seq_len // layout.cp, layout.micro_batch, model.hidden_size, model.num_attention_heads,
-        layout.tp, layout.sequence_parallel, mode, kv_seq=seq_len,
-    )
-    return per_16bit * DTYPE_BYTES[layout.mixed_precision] // 2
+    if mode not in ("none", "selective", "full"):
+        raise ValueError(f"recompute must be none, selective or full (got {mode!r})")
+    c, t, h = DTYPE_BYTES[layout.mixed_precision], layout.tp, model.hidden_size
+    sp = layout.sequence_parallel and t > 1
+    tokens = layout.micro_batch * (seq_len // layout.cp)
+    q_dim = model.num_attention_heads * model.head_dim
+    kv_dim = model.num_key_value_heads * model.head_dim
+    i = model.intermediate_size
+    block_input = _div(tokens * h * c, t) if sp else tokens * h * c
+    if mode == "full":
+        return block_input
+    if mode == "selective":
+        projections = _div(tokens * (q_dim + 2 * kv_dim + 2 * i) * c, t)
+        return block_input + projections + 2 * tokens * h * c
+    norms = 2 * _norm_bytes(tokens, h, c, t, sp)
+    attention = _div(4 * tokens * q_dim * c + tokens * model.num_attention_heads * 4, t)
+    mlp = _div(4 * tokens * i * c, t)
+    rope = 4 * (seq_len // layout.cp) * model.head_dim * c if layout.cp > 1 or c != 4 else 0
+    return norms + attention + mlp + rope
 
 
 def in_flight_microbatches(
@@ -220,46 +333,62 @@ def rank_memory(
     model: ModelConfig, layout: Layout, seq_len: int, pp_rank: int,
     fp32_grad_accum: bool | None = None,
 ) -> MemoryBreakdown:
-    """Predicted peak bytes on a device of pipeline rank `pp_rank`.
+    """Predicted peak bytes on the first device of pipeline rank `pp_rank` (its first dp, cp
+    and tp rank, which holds the largest shards when they are uneven).
 
-    Model state: this rank's parameters (its layers, plus the embedding on the first stage and
-    norm and head on the last, matrices split over tp, norms replicated) through
-    `zero_state_bytes` over dp. `fp32_grad_accum` defaults to what `parallel/mixed_precision.py`
-    does: bf16 gradients are reduced and accumulated in fp32.
+    Model state: each of this rank's parameter tensors (its layers, plus the embedding on the
+    first stage and norm and head on the last) sharded as the code does it (`sharded_counts`:
+    TP, then ZeRO over dp × cp, the `dp_cp` mesh dim), times the playbook's bytes per element
+    of each kind (`state_bytes_per_param`; exact for fp32), plus AdamW's fp32 step counter per
+    tensor. `fp32_grad_accum` defaults to what `parallel/mixed_precision.py` does: bf16
+    gradients are reduced and accumulated in fp32.
 
     Activations: one layer's bytes × this rank's layers × its in-flight micro-batches; with
     full recompute one layer's un-recomputed activations are live again while its backward
-    runs. The last stage also holds one micro-batch of logits (vocabulary split over tp) and
-    the fp32 log-probabilities the loss keeps (`ops/loss.py` upcasts); all-forward-all-backward
-    holds them for every micro-batch.
+    runs. The first stage also keeps the token ids the embedding saves, the last the final norm,
+    the fp32 log-probabilities the loss keeps (vocabulary split over tp; `ops/loss.py`
+    upcasts), the targets, for each micro-batch whose loss is in flight; with pp > 1 the
+    step's ids and targets are one tensor the micro-batches are views of.
     """
-    counts = llama_param_counts(model)
+    shapes = llama_param_shapes(model)
     tp, stages = layout.tp, _rank_stages(layout, pp_rank)
     last_stage = layout.pp * layout.virtual_stages - 1
     layers = model.num_hidden_layers // layout.pp
-    sharded_per_layer = counts.per_layer - counts.per_layer_norms
-    params = layers * (-(-sharded_per_layer // tp) + counts.per_layer_norms)
+    held = [*shapes["layer"]] * layers
     if 0 in stages:
-        params += -(-counts.embedding // tp)
+        held += shapes["embedding"]
     if last_stage in stages:
-        params += -(-counts.head // tp) + counts.final_norm
+        held += [*shapes["final_norm"], *shapes["head"]]
+    counts = sum((sharded_counts(p, tp, layout.zero, layout.dp * layout.cp) for p in held),
+                 ShardedCounts())
     accum = layout.mixed_precision == "bf16" if fp32_grad_accum is None else fp32_grad_accum
-    state = zero_state_bytes(
-        params, state_bytes_per_param(layout.mixed_precision, accum), layout.zero, layout.dp
-    )
+    state = state_bytes_per_param(layout.mixed_precision, accum)
     in_flight = in_flight_microbatches(
         layout.pp_schedule, layout.pp, layout.grad_accum, layout.virtual_stages, pp_rank
     )
     activations = math.ceil(layer_activation_bytes(model, layout, seq_len) * layers * in_flight)
     if layout.recompute == "full":
         activations += layer_activation_bytes(model, layout, seq_len, recompute="none")
+    c = DTYPE_BYTES[layout.mixed_precision]
+    if c == 4 and layout.cp == 1 and layers:
+        activations += 2 * model.max_position_embeddings * model.head_dim * 4  # RoPE tables
+    tokens = layout.micro_batch * (seq_len // layout.cp)
+    ids = tokens * 8 * (layout.grad_accum if layout.pp > 1 else 1)  # int64
+    if 0 in stages:
+        activations += ids
     if last_stage in stages:
         # All-forward-all-backward keeps every micro-batch's loss inputs until its backward.
         logit_batches = layout.grad_accum if layout.pp > 1 and layout.pp_schedule == "gpipe" else 1
-        tokens = layout.micro_batch * (seq_len // layout.cp) * logit_batches
-        vocab = -(-model.vocab_size // tp)
-        activations += tokens * vocab * (DTYPE_BYTES[layout.mixed_precision] + 4)
-    return MemoryBreakdown(state.params, state.grads, state.optimizer, activations)
+        sp = layout.sequence_parallel and tp > 1
+        loss = _div(tokens * model.vocab_size, tp) * 4 + 4  # log-probs, the loss's weight sum
+        final_norm = _norm_bytes(tokens, model.hidden_size, c, tp, sp)
+        activations += (final_norm + loss) * logit_batches + ids
+    return MemoryBreakdown(
+        params=counts.params * state.params,
+        grads=counts.grads * state.grads,
+        optimizer=counts.optimizer * state.optimizer + counts.tensors * 4,
+        activations=activations,
+    )
 
 
 def peak_memory(

@@ -18,6 +18,7 @@ from typing import Any
 from parallel import job as jobmod
 from parallel.job import ConfigError, JobConfig
 from parallel.layout import Layout, predicted_bubble, resolve
+from parallel.memory_model import peak_memory
 
 USABLE_STATE = "ready"
 RESTORE_SOURCES = ("init", "checkpoint", "snapshot")
@@ -80,7 +81,8 @@ class MemoryBytes:
 
 @dataclass(frozen=True)
 class Predicted:
-    """What the plan expects per device; zeros until the memory/bubble model lands."""
+    """What the plan expects per device: the memory model's peak device (parallel.memory_model),
+    the bubble; recompute_ratio stays 0 until the cost model fills it."""
 
     memory_bytes: MemoryBytes = field(default_factory=MemoryBytes)
     bubble_ratio: float = 0.0
@@ -181,6 +183,13 @@ class Plan:
         return cls.from_dict(raw)
 
 
+def predict(job: JobConfig, layout: Layout) -> Predicted:
+    """The plan's predictions for `layout`: memory of its fullest device, and the bubble."""
+    m = peak_memory(job.model, layout, job.train.seq_len)
+    return Predicted(memory_bytes=MemoryBytes(m.params, m.grads, m.optimizer, m.activations),
+                     bubble_ratio=predicted_bubble(layout))
+
+
 def usable_nodes(nodes: Sequence[NodeInfo]) -> list[NodeInfo]:
     """Ready nodes with devices, sorted by id: the order ranks are assigned in."""
     ids = [n.node for n in nodes]
@@ -229,7 +238,7 @@ def plan_generation(
             generation=generation, job=job, layout=layout, ranks=tuple(ranks),
             store=StoreAddress(store[0], int(store[1])),
             restore=Restore.from_dict(restore or {}),
-            predicted=Predicted(bubble_ratio=predicted_bubble(layout)),
+            predicted=predict(job, layout),
             idle=tuple(n.node for n in usable[count:]), reason=reason,
         )
     raise PlanError(f"no subset of the {len(usable)} ready node(s) can host the job: {first_error}")

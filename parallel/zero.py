@@ -195,6 +195,19 @@ class ShardedAdamW(torch.optim.Optimizer):
                 out.append(slot.as_state(piece, p))
         return out
 
+    def set_gradient_slices(self, slices: dict[torch.Tensor, torch.Tensor]) -> list[DTensor]:
+        """Use gradient slices reduced elsewhere (parallel.reproducible's exact reduction),
+        each this rank's `local_slice` of its parameter; returns them as DTensors."""
+        out = []
+        for p, piece in slices.items():
+            slot = self._slot(p)
+            expected = slot.local_slice(_local(p)).shape
+            if piece.shape != expected:
+                raise ValueError(f"gradient slice of shape {tuple(piece.shape)}, expected {tuple(expected)}")
+            self._grad_slices[p] = piece
+            out.append(slot.as_state(piece, p))
+        return out
+
     @torch.no_grad()
     def step(self, closure: Any = None) -> None:
         if closure is not None:

@@ -96,6 +96,14 @@ class AgentLink:
         )
         if r.bubble_ratio_measured is not None:  # pipeline parallelism only
             report.bubble_ratio = r.bubble_ratio_measured
+        if r.memory is not None:
+            m = r.memory
+            report.memory_params_bytes = m.params
+            report.memory_grads_bytes = m.grads
+            report.memory_optimizer_bytes = m.optimizer
+            report.memory_activations_bytes = m.activations
+            if m.peak is not None:  # the CUDA allocator's peak
+                report.memory_peak_bytes = m.peak
         return self._call("ReportStep", report)
 
     def report_failure(self, gp: pb.GenerationPlan, message: str, kind: str, step: int) -> None:

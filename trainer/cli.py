@@ -8,6 +8,7 @@ stderr. Exit codes: 0 done, 1 failure, 2 bad usage or bad config.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import time
@@ -81,6 +82,10 @@ class ProgressPrinter:
                 "recompute_seconds": round(r.recompute_seconds, 6),
                 "recompute_ratio": round(r.recompute_ratio, 6),
             }
+            if r.memory is not None:  # this rank's (rank 0's) bytes by kind
+                record["memory_bytes"] = {
+                    k: v for k, v in dataclasses.asdict(r.memory).items() if v is not None
+                }
             if r.bubble_ratio_measured is not None:
                 record["bubble_ratio_measured"] = round(r.bubble_ratio_measured, 6)
                 record["bubble_ratio_predicted"] = round(r.bubble_ratio_predicted, 6)

@@ -8,6 +8,7 @@ here, so the two cannot drift apart.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 import time
@@ -23,6 +24,7 @@ from checkpoint.durable import CheckpointManager
 from parallel.job import JobConfig
 from parallel.layout import Layout
 from trainer.loop import StepResult, Trainer
+from trainer.memory_meter import MemoryMeter
 
 
 def _stderr(msg: str) -> None:
@@ -107,6 +109,7 @@ class GenerationDriver:
         self.job, self.layout, self.last_step, self.generation = job, layout, last_step, generation
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         self.trainer = Trainer(job, layout, mesh, device)
+        self.memory = MemoryMeter(self.trainer.model, self.trainer.optimizer, device)
         root = checkpoint_root(job)
         self.ckpt = (
             CheckpointManager(
@@ -138,7 +141,9 @@ class GenerationDriver:
         return loaded
 
     def train_step(self) -> StepResult:
-        return self.trainer.train_step()
+        with self.memory.measure():
+            result = self.trainer.train_step()
+        return dataclasses.replace(result, memory=self.memory.last)
 
     def commit(self, result: StepResult) -> None:
         """Record a step the ranks agreed to keep (a step abandoned for a newer generation is

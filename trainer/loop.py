@@ -19,6 +19,7 @@ from torch.distributed.tensor import DTensor
 
 from checkpoint.state import Progress, TrainState
 from ops.loss import count_tokens, cross_entropy_sum
+from parallel.exact_sum import exact_slot_sum, exact_squared_norm
 from parallel.job import JobConfig, TrainConfig
 from parallel.layout import Layout, predicted_bubble
 from parallel.mesh import data_mesh
@@ -26,9 +27,11 @@ from parallel.mixed_precision import compute_context
 from parallel.parallelize import parallelize
 from parallel.pipeline import Pipeline
 from parallel.recompute import RecomputeMeter
+from parallel.reproducible import ExactGradients, enable_deterministic_kernels, place_gradients
 from parallel.tensor_parallel import local_loss, vocab_parallel_loss
 from parallel.zero import ShardedAdamW
 from trainer.data import SampleStream, open_stream, step_micro_batches
+from trainer.memory_meter import MeasuredMemory
 from trainer.model import Llama, build_model, init_weights
 
 
@@ -49,6 +52,8 @@ class StepResult:
     # share of the step; 0 without recomputation.
     recompute_seconds: float = 0.0
     recompute_ratio: float = 0.0
+    # This rank's memory by kind (trainer.memory_meter), when the caller measured the step.
+    memory: MeasuredMemory | None = None
 
 
 def learning_rate(t: TrainConfig, step: int) -> float:
@@ -99,6 +104,8 @@ class Trainer:
         stream: SampleStream | None = None,
     ) -> None:
         self.cfg, self.layout, self.mesh, self.device = cfg, layout, mesh, device
+        if cfg.parallel.reproducible:
+            enable_deterministic_kernels(device)
         self.model: Llama = build_model(cfg.model)
         # With pp > 1, self.model is this rank's union of stages and parts are the stages.
         self.recompute = RecomputeMeter()
@@ -123,6 +130,16 @@ class Trainer:
         # Loss and token sums reduce over dp x cp: each cp rank holds a share of the tokens.
         self.dp_group = data_mesh(mesh).get_group() if mesh is not None else None
         self.pp_group = mesh["pp"].get_group() if mesh is not None and layout.pp > 1 else None
+        # parallel.reproducible: exact sums over the micro-batches that hold samples.
+        self.exact = (
+            ExactGradients(
+                self.model,
+                self.dp_group,
+                micro_batches=-(-cfg.train.global_batch // layout.micro_batch),
+            )
+            if cfg.parallel.reproducible
+            else None
+        )
         self.pipeline = (
             Pipeline(parts, layout, self.pp_group, device, self._micro_batch_loss)
             if self.pp_group is not None
@@ -160,6 +177,37 @@ class Trainer:
             self.cp_rank,
         )
         bubble: dict = {}
+        exact_grads: list[torch.Tensor] | None = None
+        if self.exact is not None:
+            loss, counted, exact_grads = self._exact_forward_backward(batches)
+        else:
+            loss, counted, bubble = self._forward_backward(batches)
+        if counted != self.step_tokens:
+            raise RuntimeError(
+                f"step {step + 1} consumed {counted} target tokens, expected {self.step_tokens}"
+            )
+        grad_norm = self._clip_gradients(t.grad_clip, exact_grads)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.progress.step += 1
+        self.progress.consumed_samples += t.global_batch
+        step_seconds = time.perf_counter() - start
+        return StepResult(
+            step=self.progress.step,
+            loss=loss,
+            consumed_samples=self.progress.consumed_samples,
+            tokens=self.step_tokens,
+            grad_norm=grad_norm,
+            step_seconds=step_seconds,
+            **bubble,
+            recompute_seconds=self.recompute.seconds,
+            recompute_ratio=self.recompute.seconds / step_seconds if step_seconds > 0 else 0.0,
+        )
+
+    def _forward_backward(self, batches: list) -> tuple[float, int, dict]:
+        """The step's loss, target tokens and pipeline measurements; gradients left in place."""
+        layout = self.layout
+        bubble: dict = {}
         if self.pipeline is not None:
             loss_sum, tokens, bubble = self._pipeline_forward_backward(batches)
         else:
@@ -182,27 +230,44 @@ class Trainer:
         if self.pp_group is not None:
             # Only the last stage's rank holds the loss; rank 0 (stage 0) reports it.
             dist.all_reduce(loss_sum, group=self.pp_group)
-        if counted != self.step_tokens:
+        return float(loss_sum.item()), counted, bubble
+
+    def _exact_forward_backward(self, batches: list) -> tuple[float, int, list[torch.Tensor]]:
+        """parallel.reproducible: the step's loss and target tokens, and this rank's shards of
+        the exactly summed gradients (also handed to the optimizer).
+
+        The loss is the exactly rounded sum (math.fsum) of the micro-batch losses, each put in
+        the slot of its global micro-batch index m * dp + dp_rank, so no sum depends on dp.
+        """
+        assert self.exact is not None
+        layout = self.layout
+        exponents = None
+        for _attempt in range(2):
+            self.exact.begin(exponents)
+            slots = torch.zeros(layout.dp * layout.grad_accum + 1, dtype=torch.float64)
+            for m, mb in enumerate(batches):
+                inputs, targets = mb.inputs.to(self.device), mb.targets.to(self.device)
+                with compute_context(layout, self.device):
+                    loss = self._micro_batch_loss(self.model(inputs), targets)
+                loss.backward()
+                self.exact.micro_batch_done()
+                slots[m * layout.dp + self.dp_rank] = loss.item()
+                slots[-1] += int(count_tokens(targets))
+            exponents = self.exact.settle()
+            if exponents is None:
+                break
+            # A gradient left the range agreed from micro-batch 0: run the step again with the
+            # range of the step's maxima (the same decision on every rank).
+            self.exact.retries += 1
+        else:
             raise RuntimeError(
-                f"step {step + 1} consumed {counted} target tokens, expected {self.step_tokens}"
+                "parallel.reproducible: a step's gradients changed between two runs of it "
+                "(non-deterministic kernels?)"
             )
-        grad_norm = self._clip_gradients(t.grad_clip)
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        self.progress.step += 1
-        self.progress.consumed_samples += t.global_batch
-        step_seconds = time.perf_counter() - start
-        return StepResult(
-            step=self.progress.step,
-            loss=float(loss_sum.item()),
-            consumed_samples=self.progress.consumed_samples,
-            tokens=self.step_tokens,
-            grad_norm=grad_norm,
-            step_seconds=step_seconds,
-            **bubble,
-            recompute_seconds=self.recompute.seconds,
-            recompute_ratio=self.recompute.seconds / step_seconds if step_seconds > 0 else 0.0,
-        )
+        values = exact_slot_sum(slots, self.dp_group)
+        shards = self.exact.reduce()
+        place_gradients(self.exact.params, shards, self.optimizer)
+        return math.fsum(values[:-1]), int(values[-1]), shards
 
     def _pipeline_forward_backward(
         self, batches: list
@@ -224,25 +289,35 @@ class Trainer:
         }
         return loss_sum, count_tokens(targets), bubble
 
-    def _clip_gradients(self, max_norm: float) -> float:
+    def _clip_gradients(
+        self, max_norm: float, exact_grads: list[torch.Tensor] | None = None
+    ) -> float:
         """Clip by the norm of the whole model's gradient, across every mesh dimension.
 
         DTensor gradients reduce their norm over the dims they are sharded on; pipeline stages
         are disjoint plain sets of parameters, so their squared norms are summed over pp here
         (a per-stage clip_grad_norm_ would clip each stage by its own, smaller norm).
+        `exact_grads` (parallel.reproducible): this rank's gradient shards, whose sum of
+        squares is exact, so the norm does not depend on how they are sharded.
         """
-        if isinstance(self.optimizer, ShardedAdamW):
-            # ZeRO-1: clip the reduce-scattered gradient slices the optimizer will apply.
-            grads = self.optimizer.reduce_gradients()
+        if exact_grads is not None:
+            assert self.exact is not None
+            grads = exact_grads
+            squared = exact_squared_norm(grads, self.dp_group, self.exact.numel)
+            norm = torch.tensor(math.sqrt(squared), dtype=torch.float32, device=self.device)
         else:
-            grads = [p.grad for p in self.model.parameters() if p.grad is not None]
-        norm = torch.nn.utils.get_total_norm(grads)
-        if isinstance(norm, DTensor):
-            norm = norm.full_tensor()
-        if self.pp_group is not None:
-            squared = norm**2
-            dist.all_reduce(squared, group=self.pp_group)
-            norm = squared.sqrt()
+            if isinstance(self.optimizer, ShardedAdamW):
+                # ZeRO-1: clip the reduce-scattered gradient slices the optimizer will apply.
+                grads = self.optimizer.reduce_gradients()
+            else:
+                grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+            norm = torch.nn.utils.get_total_norm(grads)
+            if isinstance(norm, DTensor):
+                norm = norm.full_tensor()
+            if self.pp_group is not None:
+                squared_norm = norm**2
+                dist.all_reduce(squared_norm, group=self.pp_group)
+                norm = squared_norm.sqrt()
         # As clip_grads_with_norm_, on gradients that need not be attached to parameters.
         coef = torch.clamp((max_norm if max_norm > 0 else math.inf) / (norm + 1e-6), max=1.0)
         for g in grads:

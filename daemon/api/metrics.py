@@ -76,6 +76,9 @@ class Metrics:
         for dim in ("dp", "tp", "pp", "cp"):
             self.mesh_size.labels(dim=dim).set(getattr(plan.layout, dim))
         self.bubble.labels(source="predicted").set(plan.predicted.bubble_ratio)
+        for kind in MEMORY_KINDS:
+            self.memory.labels(kind=kind, source="predicted").set(
+                getattr(plan.predicted.memory_bytes, kind))
         self.membership_changes.labels(reason=plan.reason or "start").inc()
 
     def observe_step(self, report: pb.StepReport) -> None:

@@ -110,17 +110,35 @@ def test_korthikanti_table_2_by_hand(tp: int, sp: bool, recompute: str, expected
     assert korthikanti_layer_bytes(S, B, H, A, tp, sp, recompute) == expected
 
 
-def test_layer_activations_scale_with_dtype_and_context_parallelism() -> None:
+def test_layer_activations_count_what_the_llama_block_saves() -> None:
+    # The tensors autograd saves for trainer/model.py's block (trainer/memory_meter.py counts
+    # them; tests/distributed/test_memory_measured.py compares): T tokens, fp32.
     model = ModelConfig(hidden_size=H, intermediate_size=11008, num_hidden_layers=32,
-                        num_attention_heads=A, num_key_value_heads=A, max_position_embeddings=S)
-    bf16 = Layout(mixed_precision="bf16")
-    assert layer_activation_bytes(model, bf16, S) == SBH * 114
-    assert layer_activation_bytes(model, Layout(mixed_precision="fp32"), S) == 2 * SBH * 114
-    # cp 2: 1024 local queries, each scored against all 2048 keys:
-    # 1024*4096*34 + 5*32*1024*2048*1 = 142_606_336 + 335_544_320.
-    cp2 = Layout(cp=2, mixed_precision="bf16")
-    assert layer_activation_bytes(model, cp2, S) == 142_606_336 + 335_544_320
-    assert layer_activation_bytes(model, cp2, S, recompute="selective") == 142_606_336
+                        num_attention_heads=A, num_key_value_heads=8, max_position_embeddings=S)
+    t, h, i, a, d = S * B, H, 11008, A, H // A
+
+    def block(tokens: int, c: int) -> int:
+        norms = 2 * (tokens * h * 4 + tokens * 4 + 2 * tokens * h * c)  # fp32 input, rsqrt
+        return norms + 4 * tokens * a * d * c + tokens * a * 4 + 4 * tokens * i * c
+
+    assert layer_activation_bytes(model, Layout(mixed_precision="fp32"), S) == block(t, 4)
+    # bf16: each layer casts its RoPE rows (cos and sin, for q and k).
+    assert layer_activation_bytes(model, Layout(mixed_precision="bf16"), S) == (
+        block(t, 2) + 4 * S * d * 2)
+    # cp 2: half the tokens, and each layer selects the rows of its global positions.
+    assert layer_activation_bytes(model, Layout(cp=2), S) == block(t // 2, 4) + 4 * (S // 2) * d * 4
+    assert layer_activation_bytes(model, Layout(), S, recompute="full") == t * h * 4
+    # Korthikanti's Table 2 (GPT block, s² scores stored) is the playbook's, much larger.
+    assert korthikanti_layer_bytes(S, B, H, A) > layer_activation_bytes(model, Layout(), S)
+
+
+def _edges(model: ModelConfig, layout: Layout, seq: int) -> int:
+    """What a single-stage rank keeps outside its layers (fp32, cp 1, tp 1): the RoPE tables,
+    the token ids and targets, the final norm and the log-probabilities."""
+    tokens = layout.micro_batch * seq
+    rope = 2 * model.max_position_embeddings * model.head_dim * 4
+    final_norm = tokens * model.hidden_size * 12 + tokens * 4
+    return rope + 2 * tokens * 8 + final_norm + tokens * model.vocab_size * 4 + 4
 
 
 @pytest.mark.parametrize(("p", "m"), [(2, 8), (4, 8), (4, 16), (8, 32)])
@@ -141,11 +159,13 @@ def test_1f1b_first_stage_keeps_activations_of_all_layers_whatever_pp() -> None:
     # L/p layers times p micro-batches in flight: the first stage holds L layers' worth.
     model = ModelConfig(num_hidden_layers=8)
     per_layer = layer_activation_bytes(model, Layout(), 128)
+    # Besides its layers the first stage keeps the RoPE tables and the step's token ids.
+    edges = 2 * model.max_position_embeddings * model.head_dim * 4 + 16 * 128 * 8
     for pp in (2, 4, 8):
         layout = Layout(pp=pp, grad_accum=16, pp_schedule="1f1b")
-        assert rank_memory(model, layout, 128, pp_rank=0).activations == 8 * per_layer
+        assert rank_memory(model, layout, 128, pp_rank=0).activations == 8 * per_layer + edges
     gpipe = Layout(pp=4, grad_accum=16, pp_schedule="gpipe")
-    assert rank_memory(model, gpipe, 128, pp_rank=0).activations == 2 * 16 * per_layer
+    assert rank_memory(model, gpipe, 128, pp_rank=0).activations == 2 * 16 * per_layer + edges
 
 
 def test_rank_memory_splits_state_over_tp_pp_and_dp() -> None:
@@ -166,8 +186,9 @@ def test_rank_memory_splits_state_over_tp_pp_and_dp() -> None:
 def test_bf16_layouts_accumulate_gradients_in_fp32_by_default() -> None:
     model = ModelConfig()
     psi = llama_param_counts(model).total
+    steps = 4 * (9 * model.num_hidden_layers + 3)  # AdamW's fp32 step counter per tensor
     got = rank_memory(model, Layout(zero=1, mixed_precision="bf16"), 128, 0)
-    assert (got.params, got.grads, got.optimizer) == (2 * psi, 6 * psi, 12 * psi)
+    assert (got.params, got.grads, got.optimizer) == (2 * psi, 6 * psi, 12 * psi + steps)
     plain = rank_memory(model, Layout(zero=1, mixed_precision="bf16"), 128, 0,
                         fp32_grad_accum=False)
     assert plain.grads == 2 * psi
@@ -178,6 +199,32 @@ def test_full_recompute_and_logits_terms() -> None:
     seq = 128
     none = layer_activation_bytes(model, Layout(), seq, recompute="none")
     full = layer_activation_bytes(model, Layout(), seq, recompute="full")
-    logits = seq * model.vocab_size * (4 + 4)  # fp32 logits + fp32 log-probabilities
     got = rank_memory(model, Layout(recompute="full"), seq, 0).activations
-    assert got == model.num_hidden_layers * full + none + logits
+    assert got == model.num_hidden_layers * full + none + _edges(model, Layout(), seq)
+
+
+def test_state_is_sharded_tensor_by_tensor_over_dp_times_cp() -> None:
+    # h = 96 rows over dp x cp = 2 x 2: chunks of 24; 3 ranks would get 32, 32, 32.
+    model = ModelConfig(hidden_size=96, intermediate_size=200, num_hidden_layers=2,
+                        num_attention_heads=6, num_key_value_heads=2, vocab_size=300)
+    tensors = 9 * 2 + 3
+    one = rank_memory(model, Layout(zero=3), 32, 0)
+    four = rank_memory(model, Layout(zero=3, dp=2, cp=2), 32, 0)
+    assert four.params * 4 == one.params and four.optimizer * 4 == one.optimizer + 3 * tensors * 4
+    # 7 ranks: every tensor's dim 0 rounds up (96 -> 14 rows, 200 -> 29, 300 -> 43).
+    seven = rank_memory(model, Layout(zero=3, dp=7), 32, 0)
+    psi = llama_param_counts(model).total
+    assert seven.params > -(-psi // 7) * 4
+    # ZeRO-1 and ZeRO-2 keep whole parameters (ZeRO-1) or shards (ZeRO-2 is FSDP2, which
+    # shards at rest); ZeRO-1's gradients are whole.
+    z1 = rank_memory(model, Layout(zero=1, dp=2), 32, 0)
+    z2 = rank_memory(model, Layout(zero=2, dp=2), 32, 0)
+    assert z1.params == z1.grads == psi * 4 and z2.params == z2.grads == psi * 2
+    assert z1.optimizer == z2.optimizer == psi * 4 + tensors * 4
+
+
+def test_tp_embedding_gradient_is_whole_under_zero1() -> None:
+    model = ModelConfig()
+    counts = llama_param_counts(model)
+    z1 = rank_memory(model, Layout(zero=1, tp=2), 128, 0)
+    assert z1.grads - z1.params == counts.embedding // 2 * 4
