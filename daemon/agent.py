@@ -87,7 +87,8 @@ class Agent:
                                          cfg.state_dir / "logs", self._on_worker_exit,
                                          cfg.worker_module)
         record = NodeRecord(self.node_id, self.io.address, self.io.metrics_url, cfg.devices,
-                            pid=self.io.pid, version=__version__)
+                            pid=self.io.pid, version=__version__,
+                            device_memory=cfg.device_memory)
         self.membership = Membership(self.etcd, self.keys, record, cfg.ttl, self._on_fenced,
                                      self._outage_check, cfg.etcd_outage_s)
         self.view.subscribe(self._on_view)

@@ -25,6 +25,7 @@ class AgentConfig:
     node_id: str
     devices: int
     etcd: str
+    device_memory: int = 0        # bytes per device for the planner's memory check; 0: unknown
     listen: str = "127.0.0.1:0"
     metrics_listen: str = "127.0.0.1:0"
     state_dir: Path = Path("/var/lib/ultrad")

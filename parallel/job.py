@@ -93,6 +93,16 @@ class ParallelConfig:
     # Bit-identical steps whatever dp and the ZeRO stage: exact fixed-point gradient, norm and
     # loss sums and deterministic kernels (parallel.reproducible, docs/reproducible.md).
     reproducible: bool = False
+    # Dimensions (of REPLAN_DIMS) the daemon may change when the job's own layout cannot run on
+    # the ready nodes or does not fit their memory (parallel.planner, docs/planner.md). Empty:
+    # only dp follows the world.
+    replan: tuple[str, ...] = ()
+
+
+# What a layout search may choose besides dp (parallel.layout_search).
+REPLAN_DIMS = (
+    "tp", "pp", "cp", "zero", "sequence_parallel", "pp_schedule", "recompute", "micro_batch",
+)
 
 
 @dataclass(frozen=True)
@@ -172,6 +182,11 @@ def _coerce(name: str, tp: Any, value: Any) -> Any:
             except ConfigError:
                 continue
         raise ConfigError(f"{name} must be {_type_name(tp)} (got {value!r})")
+    if origin is tuple:
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{name} must be a list (got {type(value).__name__} {value!r})")
+        item = typing.get_args(tp)[0]
+        return tuple(_coerce(f"{name}[{i}]", item, v) for i, v in enumerate(value))
     if tp is bool:
         if isinstance(value, bool):
             return value
@@ -270,6 +285,12 @@ def validate(cfg: JobConfig) -> None:
         raise ConfigError(
             f"train.global_batch must be a multiple of parallel.dp x parallel.micro_batch when "
             f"parallel.pad_uneven is false (got {t.global_batch}, {p.dp} x {p.micro_batch})"
+        )
+    unknown = [dim for dim in p.replan if dim not in REPLAN_DIMS]
+    if unknown or len(set(p.replan)) != len(p.replan):
+        raise ConfigError(
+            f"parallel.replan must list distinct dimensions of {', '.join(REPLAN_DIMS)} "
+            f"(got {list(p.replan)})"
         )
     if bool(d.path) == bool(d.source):
         raise ConfigError(

@@ -18,13 +18,11 @@ from dataclasses import dataclass
 from types import MappingProxyType
 
 from parallel.cost_model import Hardware, StepCost, step_cost
-from parallel.job import ConfigError, JobConfig
+from parallel.job import REPLAN_DIMS, ConfigError, JobConfig, ParallelConfig
 from parallel.layout import RECOMPUTE, Layout, resolve
 from parallel.memory_model import MemoryBreakdown, peak_memory
 
-SEARCH_DIMS = (
-    "tp", "pp", "cp", "zero", "sequence_parallel", "pp_schedule", "recompute", "micro_batch",
-)
+SEARCH_DIMS = REPLAN_DIMS
 
 
 @dataclass(frozen=True)
@@ -105,6 +103,21 @@ class Choice:
     virtual_stages: int
     recompute: str
     micro_batch: int
+
+    @classmethod
+    def of(cls, layout: Layout | ParallelConfig) -> Choice:
+        """The point a layout (or a job's `[parallel]` section) sits at."""
+        return cls(layout.tp, layout.pp, layout.cp, layout.zero, layout.sequence_parallel,
+                   layout.pp_schedule, layout.virtual_stages, layout.recompute,
+                   layout.micro_batch)
+
+    def parallel(self, job: JobConfig) -> JobConfig:
+        """`job` with this point's `[parallel]` values (dp, precision and padding kept)."""
+        return dataclasses.replace(job, parallel=dataclasses.replace(
+            job.parallel, tp=self.tp, pp=self.pp, cp=self.cp, zero=self.zero,
+            sequence_parallel=self.sequence_parallel, pp_schedule=self.pp_schedule,
+            virtual_stages=self.virtual_stages, recompute=self.recompute,
+            micro_batch=self.micro_batch))
 
     def describe(self) -> str:
         sp = " sp" if self.sequence_parallel else ""
@@ -230,18 +243,12 @@ def _options(
 def _evaluate(
     job: JobConfig, world: World, budget: int, choice: Choice, hardware: Hardware
 ) -> Candidate:
-    parallel = dataclasses.replace(
-        job.parallel, tp=choice.tp, pp=choice.pp, cp=choice.cp, zero=choice.zero,
-        sequence_parallel=choice.sequence_parallel, pp_schedule=choice.pp_schedule,
-        virtual_stages=choice.virtual_stages, recompute=choice.recompute,
-        micro_batch=choice.micro_batch,
-    )
     if choice.micro_batch > job.train.global_batch:
         return Candidate(choice, reason=(
             f"parallel.micro_batch must be <= train.global_batch "
             f"(got {choice.micro_batch}, {job.train.global_batch})"))
     try:
-        layout = resolve(dataclasses.replace(job, parallel=parallel), world.devices,
+        layout = resolve(choice.parallel(job), world.devices,
                          devices_per_node=world.devices_per_node)
     except ConfigError as exc:
         return Candidate(choice, reason=str(exc))

@@ -2,8 +2,10 @@
 
 Pure (no torch, no I/O) so the agent can call it on every membership change. The plan is what
 the leader writes to etcd's `generation` key and what every worker reads to join the mesh
-(docs/architecture.md, "The plan"). For now dp = usable devices and tp/pp/cp are fixed by
-the job (`parallel.layout.resolve`); a later issue grows the search and the predictions.
+(docs/architecture.md, "The plan"). dp follows the ready devices; the other dimensions are the
+job's, unless the job lets the planner change some (`parallel.replan`) and its own layout cannot
+run on the ready nodes or fit their memory: then the layout search chooses (docs/planner.md,
+"Re-planning a running job").
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from typing import Any
 from parallel import job as jobmod
 from parallel.job import ConfigError, JobConfig
 from parallel.layout import Layout, predicted_bubble, resolve
+from parallel.layout_search import Choice, SearchSpace, World, search_layout
 from parallel.memory_model import peak_memory
 
 USABLE_STATE = "ready"
@@ -100,8 +103,11 @@ class Plan:
     predicted: Predicted = field(default_factory=Predicted)
     # Ready nodes the layout could not use (e.g. tp x pp x cp does not divide their devices).
     idle: tuple[str, ...] = ()
-    # Why this generation exists (start, join, leave, drain, failure, job): metrics and events.
+    # Why this generation exists (start, join, leave, drain, failure, job, layout): metrics and
+    # events.
     reason: str = ""
+    # Set when the layout is not the job's own (`parallel.replan`): which layout and why.
+    layout_reason: str = ""
 
     @property
     def world_size(self) -> int:
@@ -142,6 +148,7 @@ class Plan:
             },
             "idle": list(self.idle),
             "reason": self.reason,
+            "layout_reason": self.layout_reason,
         }
 
     def to_json(self) -> str:
@@ -168,6 +175,7 @@ class Plan:
                 ),
                 idle=tuple(str(n) for n in raw.get("idle", ())),
                 reason=str(raw.get("reason", "")),
+                layout_reason=str(raw.get("layout_reason", "")),
             )
         except (KeyError, TypeError) as exc:
             raise PlanError(f"malformed plan: missing or mistyped field {exc}") from None
@@ -200,27 +208,17 @@ def usable_nodes(nodes: Sequence[NodeInfo]) -> list[NodeInfo]:
                   key=lambda n: n.node)
 
 
-def plan_generation(
-    job: JobConfig,
-    nodes: Sequence[NodeInfo],
-    generation: int,
-    store: tuple[str, int],
-    restore: Mapping[str, Any] | None = None,
-    reason: str = "",
-) -> Plan:
-    """The plan of `generation` for `job` on the ready `nodes`.
+@dataclass(frozen=True)
+class _Fit:
+    layout: Layout
+    members: int  # how many of the id-ordered usable nodes it uses
+    note: str = ""
 
-    Ranks are node-major (a node's devices get consecutive global ranks, nodes in id order) so a
-    TP group, innermost in the mesh, never spans nodes. When the whole world cannot host the
-    job, the longest prefix of the id-ordered nodes that can is used and the rest are `idle`;
-    keeping whole nodes in id order keeps the choice deterministic across agents.
-    """
-    if generation < 1:
-        raise PlanError(f"generation must be >= 1 (got {generation})")
-    usable = usable_nodes(nodes)
-    if not usable:
-        raise PlanError("no ready node with devices")
-    first_error: ConfigError | None = None
+
+def _fit_prefix(job: JobConfig, usable: Sequence[NodeInfo], budget: int) -> _Fit | str:
+    """`job`'s own layout on the longest prefix of `usable` that hosts it within `budget` bytes
+    per device (0: no limit); else the first reason."""
+    first_error = ""
     for count in range(len(usable), 0, -1):
         members = usable[:count]
         try:
@@ -228,17 +226,102 @@ def plan_generation(
             per_node = math.gcd(*(n.devices for n in members))
             layout = resolve(job, sum(n.devices for n in members), devices_per_node=per_node)
         except ConfigError as exc:
-            first_error = first_error or exc
+            first_error = first_error or str(exc)
             continue
-        ranks: list[RankInfo] = []
-        for n in members:
-            base = len(ranks)
-            ranks.extend(RankInfo(n.node, local, base + local) for local in range(n.devices))
-        return Plan(
-            generation=generation, job=job, layout=layout, ranks=tuple(ranks),
-            store=StoreAddress(store[0], int(store[1])),
-            restore=Restore.from_dict(restore or {}),
-            predicted=predict(job, layout),
-            idle=tuple(n.node for n in usable[count:]), reason=reason,
-        )
-    raise PlanError(f"no subset of the {len(usable)} ready node(s) can host the job: {first_error}")
+        if budget:
+            need = peak_memory(job.model, layout, job.train.seq_len).total
+            if need > budget:
+                first_error = first_error or (
+                    f"predicted memory {need / 1e9:.3g} GB per device > {budget / 1e9:.3g} GB "
+                    f"on {count} node(s)")
+                continue
+        return _Fit(layout, count)
+    return first_error
+
+
+def _search(job: JobConfig, usable: Sequence[NodeInfo], budget: int) -> _Fit | str:
+    """The layout search over `job.parallel.replan` on the longest prefix of `usable` that has a
+    valid layout; else why not."""
+    space = SearchSpace.from_job(job, free=job.parallel.replan)
+    for count in range(len(usable), 0, -1):
+        per_node = math.gcd(*(n.devices for n in usable[:count]))
+        world = World(sum(n.devices for n in usable[:count]) // per_node, per_node)
+        result = search_layout(job, world, budget or 1 << 62, space)
+        if result.best is not None:
+            assert result.best.layout is not None
+            return _Fit(result.best.layout, count)
+    reasons = "; ".join(f"{kind} ({n})" for kind, n in result.reason_counts())
+    return f"no layout over {', '.join(job.parallel.replan)} is valid either: {reasons}"
+
+
+def _layout_for(
+    job: JobConfig, usable: Sequence[NodeInfo], budget: int, current: Layout | None
+) -> _Fit:
+    """The job's own layout when it fits; else the running (re-planned) layout when it still
+    fits, since keeping it keeps the reshard cheap; else, with `parallel.replan`, the search."""
+    # A memory bound applies to jobs that let the planner choose; others run as written.
+    budget = budget if job.parallel.replan else 0
+    own = _fit_prefix(job, usable, budget)
+    if isinstance(own, _Fit):
+        if not job.parallel.replan:
+            return own
+        # Say why nothing was searched: keeping the job's dimensions is the cheaper reshard.
+        return _Fit(own.layout, own.members,
+                    f"the job's {Choice.of(job.parallel).describe()} kept: valid on "
+                    f"{own.members} of {len(usable)} ready node(s)")
+    why = f"the job's {Choice.of(job.parallel).describe()} cannot run: {own}"
+    if not job.parallel.replan:
+        raise PlanError(f"no subset of the {len(usable)} ready node(s) can host the job: {own}")
+    if current is not None:
+        kept = _fit_prefix(Choice.of(current).parallel(job), usable, budget)
+        if isinstance(kept, _Fit):
+            return _Fit(kept.layout, kept.members,
+                        f"kept {Choice.of(current).describe()} ({why})")
+    found = _search(job, usable, budget)
+    if isinstance(found, str):
+        raise PlanError(f"{why}; {found}")
+    return _Fit(found.layout, found.members,
+                f"re-planned to {Choice.of(found.layout).describe()} over "
+                f"{', '.join(job.parallel.replan)} ({why})")
+
+
+def plan_generation(
+    job: JobConfig,
+    nodes: Sequence[NodeInfo],
+    generation: int,
+    store: tuple[str, int],
+    restore: Mapping[str, Any] | None = None,
+    reason: str = "",
+    current: Layout | None = None,
+    memory_per_device: int = 0,
+) -> Plan:
+    """The plan of `generation` for `job` on the ready `nodes`.
+
+    Ranks are node-major (a node's devices get consecutive global ranks, nodes in id order) so a
+    TP group, innermost in the mesh, never spans nodes. When the whole world cannot host the
+    job, the longest prefix of the id-ordered nodes that can is used and the rest are `idle`;
+    keeping whole nodes in id order keeps the choice deterministic across agents.
+
+    The layout is the job's own whenever some prefix hosts it within `memory_per_device` bytes
+    (0: unknown, not checked). Otherwise, if the job lets the planner change dimensions
+    (`parallel.replan`): `current`, the running generation's layout, while it still fits, then
+    the best layout of the search; `layout_reason` says which and why.
+    """
+    if generation < 1:
+        raise PlanError(f"generation must be >= 1 (got {generation})")
+    usable = usable_nodes(nodes)
+    if not usable:
+        raise PlanError("no ready node with devices")
+    fit = _layout_for(job, usable, memory_per_device, current)
+    ranks: list[RankInfo] = []
+    for n in usable[: fit.members]:
+        base = len(ranks)
+        ranks.extend(RankInfo(n.node, local, base + local) for local in range(n.devices))
+    return Plan(
+        generation=generation, job=job, layout=fit.layout, ranks=tuple(ranks),
+        store=StoreAddress(store[0], int(store[1])),
+        restore=Restore.from_dict(restore or {}),
+        predicted=predict(job, fit.layout),
+        idle=tuple(n.node for n in usable[fit.members:]), reason=reason,
+        layout_reason=fit.note,
+    )

@@ -69,7 +69,7 @@ class StepLog:
         directory.mkdir(parents=True, exist_ok=True)
         self.path = directory / "steps.jsonl"
 
-    def append(self, r: StepResult, generation: int, world_size: int, dp: int) -> None:
+    def append(self, r: StepResult, generation: int, world_size: int, layout: Layout) -> None:
         line = json.dumps(
             {
                 "step": r.step,
@@ -77,7 +77,10 @@ class StepLog:
                 "consumed_samples": r.consumed_samples,
                 "generation": generation,
                 "world_size": world_size,
-                "dp": dp,
+                "dp": layout.dp,
+                "tp": layout.tp,
+                "pp": layout.pp,
+                "cp": layout.cp,
                 "step_seconds": round(r.step_seconds, 6),
                 "time": time.time(),
             }
@@ -149,7 +152,7 @@ class GenerationDriver:
         """Record a step the ranks agreed to keep (a step abandoned for a newer generation is
         not committed: the next generation runs it again from its restore point)."""
         if self.steps is not None:
-            self.steps.append(result, self.generation, self.world_size, self.layout.dp)
+            self.steps.append(result, self.generation, self.world_size, self.layout)
 
     def checkpoint_due(self, step: int) -> bool:
         """A periodic (checkpoint.every) or final checkpoint is due after `step`."""

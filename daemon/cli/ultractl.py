@@ -210,6 +210,10 @@ def _plan_table(plan: dict[str, Any]) -> Iterable[str]:
            f"grad_accum {lay['grad_accum']}; store {plan['store']['host']}:"
            f"{plan['store']['port']}; restore {plan['restore']['source']}@"
            f"{plan['restore']['step']}")
+    if plan.get("layout_reason"):
+        yield f"layout: {plan['layout_reason']}"
+    if plan.get("idle"):
+        yield f"idle: {', '.join(plan['idle'])}"
     yield from _columns([["RANK", "NODE", "LOCAL_RANK"]] + [
         [str(r["global_rank"]), r["node"], str(r["local_rank"])] for r in plan["ranks"]])
 
@@ -244,6 +248,8 @@ def _plan(args: argparse.Namespace) -> int:
                 here = whatif.world_of(plan["ranks"])
                 plan["model_prediction"] = whatif.predict(job, live.layout, here.devices_per_node)
                 world = world or here
+                # The live job's search is over what it lets the daemon re-plan.
+                free = free or job.parallel.replan
             elif wants_search:
                 raise CtlError("no generation yet to search from: pass --job FILE", 1)
         if wants_search and job is not None and world is not None:

@@ -38,6 +38,8 @@ _OPTIONS: dict[str, tuple[type, Any, str]] = {
     "etcd": (str, None, "etcd endpoints, comma separated (host:port or http://host:port)"),
     "node_id": (str, socket.gethostname().split(".")[0], "this node's id (default: hostname)"),
     "devices": (int, None, "devices (workers) on this node"),
+    "device_memory": (int, 0, "bytes of memory per device, for the planner's memory check of "
+                              "jobs that allow re-planning (0: unknown, not checked)"),
     "listen": (str, "127.0.0.1:7400", "gRPC listen address for ultractl and peers"),
     "metrics_listen": (str, "127.0.0.1:9400", "Prometheus /metrics listen address"),
     "state_dir": (str, "/var/lib/ultrad", "state directory (token, socket, worker logs)"),
@@ -119,6 +121,8 @@ def build_config(opts: dict[str, Any]) -> Any:
         raise UsageError(str(exc)) from None
     if opts["devices"] < 0:
         raise UsageError(f"--devices must be >= 0 (got {opts['devices']})")
+    if opts["device_memory"] < 0:
+        raise UsageError(f"--device-memory must be >= 0 bytes (got {opts['device_memory']})")
     if opts["etcd_outage"] < 0:
         raise UsageError(f"--etcd-outage must be >= 0 (got {opts['etcd_outage']})")
     if opts["ttl"] < 2:
@@ -138,6 +142,7 @@ def build_config(opts: dict[str, Any]) -> Any:
         raise UsageError(str(exc)) from None
     return AgentConfig(
         node_id=opts["node_id"], devices=opts["devices"], etcd=opts["etcd"],
+        device_memory=opts["device_memory"],
         listen=opts["listen"], metrics_listen=opts["metrics_listen"],
         state_dir=Path(opts["state_dir"]).expanduser(), job=opts["job"], ttl=opts["ttl"],
         token_file=Path(opts["token_file"]).expanduser() if opts["token_file"] else None,

@@ -15,7 +15,7 @@ The rules (docs/architecture.md, "Failure handling"):
   repeats `fault.max_failures` times in a row without progress stops the loop: the nodes every
   one of those failures implicates are cordoned (when that leaves anyone), else a failure at the
   same step every time fails the job. Retries after the first back off exponentially.
-- A planned change (join, drain, cordon, a new job) first asks the running generation to stop
+- A planned change (join, drain, cordon, a new job, a new layout) first asks the running generation to stop
   at a step boundary the workers agree on, with a checkpoint, and only then writes the next
   (at once when the running generation has not committed a step yet).
 - When no layout fits the ready nodes, the job is `pending` with the planner's reason.
@@ -134,6 +134,7 @@ class _Decider:
         if plan is None:
             self._start(candidate, "start")
         elif plan.job != self.job or plan.ranks != candidate.ranks or (
+                plan.layout != candidate.layout) or (
                 p.generation == plan.generation and p.stopped):
             # A generation that stopped is replaced even if the change that stopped it is gone.
             self._planned_change(candidate)
@@ -234,9 +235,13 @@ class _Decider:
             if name in s.cordons or name in exclude:
                 state = NodeState.CORDONED
             nodes.append(NodeInfo(name, m.devices, state.value))
+        # The smallest device any member reported bounds the layout (0: nobody knows).
+        known = [m.device_memory for m in s.members.values() if m.device_memory > 0]
         try:
             return plan_generation(self.job, nodes, (plan.generation if plan else 0) + 1,
-                                   ("", 0), self._restore())
+                                   ("", 0), self._restore(),
+                                   current=plan.layout if plan is not None else None,
+                                   memory_per_device=min(known, default=0))
         except PlanError as exc:
             reason = str(exc)
             if s.cordons:
@@ -328,4 +333,6 @@ def _planned_reason(current: Plan, candidate: Plan, job: JobConfig) -> str:
         return "job"
     if set(current.nodes) - set(candidate.nodes):
         return "drain"
-    return "join"
+    if set(candidate.nodes) - set(current.nodes):
+        return "join"
+    return "layout"

@@ -147,7 +147,7 @@ class Leader:
     def snapshot(self) -> Snapshot:
         view, now = self.view, time.time()
         plan = view.plan
-        members = {name: MemberInfo(m.record.devices, m.record.state)
+        members = {name: MemberInfo(m.record.devices, m.record.state, m.record.device_memory)
                    for name, m in view.nodes.items()}
         self._addresses.update((name, m.record.address) for name, m in view.nodes.items())
         missing = [n for n in (plan.nodes if plan else ()) if n not in members]

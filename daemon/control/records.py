@@ -118,6 +118,7 @@ class NodeRecord(Record):
     state: NodeState = NodeState.READY
     pid: int = 0
     version: str = ""
+    device_memory: int = 0   # bytes per device (ultrad --device-memory); 0: unknown
 
     def with_state(self, state: NodeState | str) -> NodeRecord:
         try:

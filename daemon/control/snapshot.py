@@ -26,6 +26,7 @@ from parallel.planner import Plan
 class MemberInfo:
     devices: int
     state: NodeState = NodeState.READY
+    device_memory: int = 0  # bytes per device; 0: unknown
 
 
 @dataclass(frozen=True)

@@ -1,11 +1,13 @@
 """Replay a daemon run's layout history with the torchrun entry and compare losses.
 
 From steps.jsonl: the committed line of each step is its last one; consecutive committed steps
-of one generation form a segment (world size, dp, first step, last step). The replay runs one
-`python -m torch.distributed.run --standalone --nproc-per-node=<world> -m trainer --config JOB
+of one generation form a segment (world size, dp, tp, pp, cp, first step, last step). The replay
+runs one `python -m torch.distributed.run --standalone --nproc-per-node=<world> -m trainer
+--config JOB --set parallel.tp=<tp> --set parallel.pp=<pp> --set parallel.cp=<cp>
 --checkpoint-dir DIR --resume --steps <last> --log-format json` per segment, in order, in one
-checkpoint directory: `--steps S` always checkpoints step S (trainer/driver.py), so the next
-segment resumes from exactly the step the daemon's generation restored.
+checkpoint directory (a generation the daemon re-planned changes tp, pp or cp): `--steps S`
+always checkpoints step S (trainer/driver.py), so the next segment resumes from exactly the step
+the daemon's generation restored.
 
 Replays are cached by (job, segment prefix): the checkpoint directory after each prefix and the
 losses so far, so scenarios that share a history prefix (most start with the same 3-rank
@@ -14,6 +16,7 @@ segment) pay for it once per session (or once ever, with ULTRA_CHAOS_REPLAY_CACH
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -37,6 +40,9 @@ class Segment:
     dp: int
     first: int
     last: int
+    tp: int = 1
+    pp: int = 1
+    cp: int = 1
 
 
 @dataclass
@@ -62,15 +68,17 @@ def segments(lines: list[dict[str, Any]]) -> list[Segment]:
         line = last[step]
         cur = out[-1] if out else None
         if cur is not None and cur.generation == line["generation"] and cur.last == step - 1:
-            out[-1] = Segment(cur.generation, cur.world_size, cur.dp, cur.first, step)
+            out[-1] = dataclasses.replace(cur, last=step)
         else:
-            out.append(Segment(line["generation"], line["world_size"], line["dp"], step, step))
+            out.append(Segment(line["generation"], line["world_size"], line["dp"], step, step,
+                               line["tp"], line["pp"], line["cp"]))
     return out
 
 
 def _key(job_text: str, segs: list[Segment]) -> str:
     h = hashlib.sha256(job_text.encode())
-    h.update(json.dumps([(s.world_size, s.first, s.last) for s in segs]).encode())
+    h.update(json.dumps([(s.world_size, s.tp, s.pp, s.cp, s.first, s.last)
+                         for s in segs]).encode())
     return h.hexdigest()[:20]
 
 
@@ -103,6 +111,8 @@ def replay(job_text: str, segs: list[Segment], cache: Path) -> ReplayResult:
                 raise AssertionError(f"segments not contiguous: {segs}")
             args = [sys.executable, "-m", "torch.distributed.run", "--standalone",
                     f"--nproc-per-node={seg.world_size}", "-m", "trainer", "--config", str(job),
+                    "--set", f"parallel.tp={seg.tp}", "--set", f"parallel.pp={seg.pp}",
+                    "--set", f"parallel.cp={seg.cp}",
                     "--checkpoint-dir", str(ckpt), "--resume", "--steps", str(seg.last),
                     "--log-format", "json"]
             proc = subprocess.run(args, capture_output=True, text=True, cwd=work,

@@ -30,6 +30,7 @@ import os
 import signal
 import statistics
 import subprocess
+import sys
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -179,7 +180,8 @@ class ChaosRun:
                  replay_cache: Path, nodes: int = 3, devices: int = 1, ttl: int = 2,
                  steps: int = 30, every: int = 4, keep: int = 2, tp: int = 1,
                  checkpoint_dir: str = "checkpoints", fault: dict[str, Any] | None = None,
-                 env: dict[str, str] | None = None, hosts: Hosts | None = None) -> None:
+                 env: dict[str, str] | None = None, hosts: Hosts | None = None,
+                 parallel: dict[str, Any] | None = None) -> None:
         self.root, self.scenario, self.report = root, scenario, report
         self.replay_cache = replay_cache
         self.steps, self.every, self.ttl = steps, every, ttl
@@ -190,7 +192,7 @@ class ChaosRun:
             self.cluster.launch_prefix = {n: h.prefix() for n, h in hosts.hosts.items()}
             self.cluster.extra_agent_args.append("--insecure")
         self.output = root / "output"
-        parallel = {"tp": tp} if tp > 1 else {}
+        parallel = {**({"tp": tp} if tp > 1 else {}), **(parallel or {})}
         sections: dict[str, dict[str, Any]] = {
             "job": {"name": "chaos"}, "train": {"steps": steps},
             "checkpoint": {"dir": checkpoint_dir, "every": every, "keep": keep},
@@ -273,6 +275,13 @@ class ChaosRun:
                 except grpc.RpcError as exc:
                     last = exc
         raise ChaosError(f"no agent answered {method}: {last}")
+
+    def ctl(self, *args: str) -> subprocess.CompletedProcess[str]:
+        """`ultractl ARGS` against the live agents."""
+        return subprocess.run(
+            [sys.executable, "-m", "daemon.cli.ultractl", "--endpoint",
+             ",".join(self.cluster.endpoints()), "--token-file", str(self.cluster.token_file),
+             *args], capture_output=True, text=True, timeout=60)
 
     def status(self, node: str | None = None) -> pb.Status:
         return self.call("GetStatus", pb.GetStatusRequest(), node=node)

@@ -11,8 +11,8 @@ pytestmark = pytest.mark.unit
 
 
 def line(step: int, gen: int, world: int, t: float, loss: float | None = None) -> dict:
-    return {"step": step, "generation": gen, "world_size": world, "dp": world,
-            "consumed_samples": step * 10, "loss": loss if loss is not None else 1.0 / step,
+    return {"step": step, "generation": gen, "world_size": world, "dp": world, "tp": 1,
+            "pp": 1, "cp": 1, "consumed_samples": step * 10, "loss": loss if loss is not None else 1.0 / step,
             "time": t, "step_seconds": 0.1}
 
 
@@ -24,6 +24,13 @@ def history() -> list[dict]:
 
 def test_segments_follow_the_committed_lines() -> None:
     assert segments(history()) == [Segment(1, 3, 3, 1, 8), Segment(2, 2, 2, 9, 12)]
+
+
+def test_a_replanned_generation_is_its_own_segment_with_its_layout() -> None:
+    lines = [line(s, 1, 2, float(s)) for s in range(1, 5)]
+    lines = [{**x, "dp": 1, "pp": 2} for x in lines] + [line(s, 2, 1, 10.0 + s) for s in (5, 6)]
+    assert segments(lines) == [Segment(1, 2, 1, 1, 4, tp=1, pp=2, cp=1),
+                               Segment(2, 1, 1, 5, 6, tp=1, pp=1, cp=1)]
 
 
 def test_consistent_history_has_no_problem() -> None:

@@ -400,3 +400,58 @@ def test_network_partition_one_node(chaos) -> None:
                                                        for t in died.values())})
         finally:
             run.stop()
+
+
+# -- re-planning the mesh ---------------------------------------------------------------------
+
+
+def _layouts(run: ChaosRun) -> list[tuple[int, int, int, int]]:
+    """(generation, dp, tp, pp) of each generation that committed a step, in order."""
+    seen: dict[int, tuple[int, int, int, int]] = {}
+    for line in run.lines():
+        seen.setdefault(line["generation"], (line["generation"], line["dp"], line["tp"],
+                                             line["pp"]))
+    return [seen[g] for g in sorted(seen)]
+
+
+def test_kill_node_tp2_keeps_tp(chaos) -> None:
+    run = chaos(nodes=3, devices=2, tp=2, parallel={"replan": ["tp", "pp"]})
+    run.submit()
+    run.wait_step(TRIGGER)
+    victim = _victim(run)
+    with run.fault(f"SIGKILL node {victim} (3x2 devices, tp 2)"):
+        run.kill_node(victim)
+
+    def tp_kept(r: ChaosRun) -> list[str]:
+        layouts = [(dp, tp, pp) for _, dp, tp, pp in _layouts(r)]
+        return [] if layouts[0] == (3, 2, 1) and layouts[-1] == (2, 2, 1) else [
+            f"layouts {layouts}: expected dp 3 -> 2 with tp 2 kept"]
+
+    run.finish_and_check(extra_checks=tp_kept)
+
+
+def test_kill_node_pp_cannot_be_kept_is_re_planned(chaos) -> None:
+    run = chaos(nodes=2, devices=1, parallel={"pp": 2, "replan": ["pp"]})
+    run.submit()
+    run.wait_step(TRIGGER)
+    victim = _victim(run)
+    with run.fault(f"SIGKILL node {victim} (pp 2 on two 1-device nodes)"):
+        run.kill_node(victim)
+    run.wait_step(run.faults[0].step + 1, after=time.time())
+    explain = run.ctl("plan", "--explain")
+    events = run.ctl("events")
+
+    def re_planned(r: ChaosRun) -> list[str]:
+        out = []
+        layouts = [(dp, tp, pp) for _, dp, tp, pp in _layouts(r)]
+        if layouts[0] != (1, 1, 2) or layouts[-1] != (1, 1, 1):
+            out.append(f"layouts {layouts}: expected pp 2 -> pp 1")
+        for name, res in (("plan --explain", explain), ("events", events)):
+            if res.returncode != 0 or "re-planned to tp1 pp1" not in res.stdout:
+                out.append(f"ultractl {name} does not say why pp changed:\n{res.stdout}"
+                           f"{res.stderr}")
+        if "pp 2 must divide" not in explain.stdout and "= 2 must divide" not in explain.stdout:
+            out.append(f"ultractl plan --explain does not give the reason:\n{explain.stdout}")
+        return out
+
+    run.finish_and_check(extra_checks=re_planned)

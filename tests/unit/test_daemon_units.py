@@ -62,6 +62,14 @@ def test_flags_fall_back_to_env_then_config_file(tmp_path: Path) -> None:
     opts = resolve_options(_parser().parse_args(["--etcd", "nohost", "--devices", "1"]), {})
     with pytest.raises(UsageError, match="--etcd"):
         build_config(opts)
+    assert cfg.device_memory == 0  # unknown unless told
+    opts = resolve_options(_parser().parse_args(
+        ["--etcd", "h:1", "--devices", "1", "--device-memory", "80000000000"]), {})
+    assert build_config(opts).device_memory == 80_000_000_000
+    opts = resolve_options(_parser().parse_args(
+        ["--etcd", "h:1", "--devices", "1", "--device-memory", "-1"]), {})
+    with pytest.raises(UsageError, match="--device-memory must be >= 0"):
+        build_config(opts)
 
 
 def test_contexts_round_trip(tmp_path: Path) -> None:

@@ -537,3 +537,23 @@ def test_a_full_disk_is_nobodys_fault_and_fails_the_job_with_its_cause_when_it_r
     assert status.state == JobState.FAILED, status
     assert f"failed {n} times in a row at step 8" in status.reason
     assert "No space left on device" in status.reason
+
+
+def test_devices_too_small_for_the_running_layout_re_plan_it_at_a_boundary() -> None:
+    # tiny at dp 3 is predicted at 41.4 MB per device with ZeRO-1 and 32.7 MB with ZeRO-2.
+    job = jobmod.loads(TINY, ["parallel.zero=1", 'parallel.replan=["zero"]'])
+    plan = make_plan(("a", "b", "c"), job=job)
+    small = {n: MemberInfo(1, device_memory=36_000_000) for n in "abc"}
+    d = decide(snap(job=job, plan=plan, members=small))
+    none_of(d, StartGeneration)
+    assert only(d, SetDirective).directive.reason == "layout"
+    d = decide(snap(job=job, plan=plan, members=small,
+                    progress=Progress(generation=1, step=40, stopped=True),
+                    directive=Directive(generation=1, stop=True, reason="layout", time=NOW - 5)))
+    start = only(d, StartGeneration)
+    assert start.reason == "layout" and start.plan.nodes == ("a", "b", "c")
+    assert start.plan.layout.zero == 2 and "re-planned to" in start.plan.layout_reason
+    # Unknown device memory (0) bounds nothing: the running layout stays.
+    d = decide(snap(job=job, plan=plan, members={n: MemberInfo(1) for n in "abc"}))
+    none_of(d, StartGeneration)
+    none_of(d, SetDirective)

@@ -87,3 +87,81 @@ def test_tp_group_must_fit_in_a_node():
         plan_generation(job, [NodeInfo("a", 2), NodeInfo("b", 2)], 1, ("127.0.0.1", 1))
     plan = plan_generation(job, [NodeInfo("a", 4), NodeInfo("b", 4)], 1, ("127.0.0.1", 1))
     assert plan.layout.tp == 4 and plan.layout.dp == 2
+
+
+def _replan_job(*overrides: str) -> jobmod.JobConfig:
+    return _job('parallel.replan=["pp"]', *overrides)
+
+
+def test_without_replan_a_layout_that_cannot_run_leaves_the_job_pending() -> None:
+    with pytest.raises(PlanError, match=r"parallel\.tp x pp x cp = 2"):
+        plan_generation(_job("parallel.pp=2"), [NodeInfo("a", 1)], 2, ("h", 1))
+
+
+def test_the_jobs_own_layout_is_kept_while_a_prefix_hosts_it() -> None:
+    # pp 2 on three 1-device nodes: two of them run it, the third idles; nothing re-planned.
+    plan = plan_generation(_replan_job("parallel.pp=2"), [NodeInfo(n, 1) for n in "abc"], 1,
+                           ("h", 1))
+    assert (plan.layout.pp, plan.layout.dp, plan.idle) == (2, 1, ("c",))
+    assert plan.layout_reason.startswith("the job's tp1 pp2 ")
+    assert plan.layout_reason.endswith(" kept: valid on 2 of 3 ready node(s)")
+
+
+def test_a_lost_pp_is_re_planned_and_the_reason_names_the_jobs_layout() -> None:
+    job = _replan_job("parallel.pp=2")
+    plan = plan_generation(job, [NodeInfo("a", 1)], 2, ("h", 1))
+    assert (plan.layout.pp, plan.layout.dp, plan.layout.grad_accum) == (1, 1, 8)
+    assert plan.layout_reason.startswith("re-planned to tp1 pp1 ")
+    assert "the job's tp1 pp2 " in plan.layout_reason
+    assert "parallel.tp x pp x cp = 2 must divide the number of devices (1)" in plan.layout_reason
+    assert Plan.from_json(plan.to_json()) == plan
+    # The job's layout comes back as soon as it fits again.
+    back = plan_generation(job, [NodeInfo("a", 1), NodeInfo("b", 1)], 3, ("h", 1),
+                           current=plan.layout)
+    assert back.layout.pp == 2 and back.layout_reason.startswith("the job's tp1 pp2 ")
+
+
+def test_a_re_planned_layout_that_still_fits_is_kept_rather_than_searched_again() -> None:
+    job = _replan_job("parallel.pp=4")
+    three = plan_generation(job, [NodeInfo(n, 1) for n in "abc"], 2, ("h", 1))
+    assert (three.layout.pp, three.layout.dp) == (1, 3)  # 8 layers: no pp divides 3 devices
+    two = plan_generation(job, [NodeInfo(n, 1) for n in "ab"], 3, ("h", 1), current=three.layout)
+    assert (two.layout.pp, two.layout.dp) == (1, 2)
+    assert two.layout_reason.startswith("kept tp1 pp1 ")
+    # With nothing running, the search decides (here pp 2 on two devices).
+    fresh = plan_generation(job, [NodeInfo(n, 1) for n in "ab"], 1, ("h", 1))
+    assert fresh.layout.pp * fresh.layout.dp == 2 and fresh.layout_reason.startswith("re-planned")
+
+
+def test_tp_fixed_by_the_job_is_kept_and_only_dp_shrinks() -> None:
+    job = _job('parallel.replan=["pp", "zero"]', "parallel.tp=2")
+    nodes = [NodeInfo(n, 2) for n in "abc"]
+    assert plan_generation(job, nodes, 1, ("h", 1)).layout.dp == 3
+    after = plan_generation(job, nodes[:2], 2, ("h", 1))
+    assert (after.layout.tp, after.layout.dp) == (2, 2)
+    assert after.layout_reason.startswith("the job's tp2 pp1 ")
+    assert after.layout_reason.endswith("kept: valid on 2 of 2 ready node(s)")
+    # Without parallel.replan nothing is said: the layout is simply the job's.
+    assert plan_generation(_job("parallel.tp=2"), nodes[:2], 2, ("h", 1)).layout_reason == ""
+
+
+def test_memory_that_no_longer_fits_re_plans_the_zero_stage() -> None:
+    job = _job('parallel.replan=["zero"]', "parallel.zero=1")
+    nodes = [NodeInfo("a", 1), NodeInfo("b", 1)]
+    # At dp 2 the model predicts 31.9 MB per device with ZeRO-1 and 25.3 MB with ZeRO-2.
+    plan = plan_generation(job, nodes, 1, ("h", 1), memory_per_device=28_000_000)
+    assert (plan.layout.zero, plan.layout.dp) == (2, 2)
+    assert "predicted memory 0.0319 GB per device > 0.028 GB on 2 node(s)" in plan.layout_reason
+    # The budget is only a bound for jobs that let the planner choose.
+    fixed = plan_generation(_job("parallel.zero=1"), nodes, 1, ("h", 1),
+                            memory_per_device=28_000_000)
+    assert fixed.layout.zero == 1
+    with pytest.raises(PlanError, match="no layout over zero is valid either: predicted memory exceeds the device"):
+        plan_generation(job, nodes, 1, ("h", 1), memory_per_device=1_000_000)
+
+
+def test_replan_names_only_known_dimensions() -> None:
+    with pytest.raises(jobmod.ConfigError, match="parallel.replan must list distinct"):
+        _job('parallel.replan=["dp"]')
+    with pytest.raises(jobmod.ConfigError, match="parallel.replan must be a list"):
+        _job('parallel.replan="pp"')
