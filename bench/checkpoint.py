@@ -18,7 +18,6 @@ import datetime
 import json
 import os
 import shutil
-import socket
 import statistics
 import sys
 import tempfile
@@ -40,6 +39,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
+from bench.ranks import free_port
 from checkpoint.manifest import verify, write_manifest
 
 SAVE_WORLD = 4
@@ -215,14 +215,8 @@ def _load_worker(rank: int, world: int, port: int, cfg: dict[str, Any]) -> None:
 # --- the driver -------------------------------------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _spawn(worker: Callable[..., None], world: int, cfg: dict[str, Any]) -> None:
-    mp.spawn(worker, args=(world, _free_port(), cfg), nprocs=world, join=True)
+    mp.spawn(worker, args=(world, free_port(), cfg), nprocs=world, join=True)
 
 
 def _manifest_times(work: Path, runs: int, drop: bool) -> dict[str, list[float]]:

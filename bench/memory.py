@@ -19,8 +19,6 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import os
-import socket
 import sys
 import time
 from datetime import timedelta
@@ -30,6 +28,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from bench.ranks import free_port, init_gloo_rank
 from parallel.job import JobConfig, ModelConfig, ParallelConfig, TrainConfig, process_group_timeout
 from parallel.layout import Layout, resolve
 from parallel.memory_model import MemoryBreakdown, rank_memory
@@ -59,9 +58,7 @@ def grid() -> list[tuple[int, int, int, str]]:
 
 
 def _rank_main(rank: int, ranks: int, port: int, out: mp.Queue) -> None:
-    torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=ranks)
+    init_gloo_rank(rank, ranks, port)
     from trainer.loop import Trainer
     from trainer.memory_meter import MemoryMeter
 
@@ -82,12 +79,6 @@ def _rank_main(rank: int, ranks: int, port: int, out: mp.Queue) -> None:
             dist.barrier()
     finally:
         dist.destroy_process_group()
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _cell(measured: int, predicted: int, mark: str = "") -> str:
@@ -113,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
     started = time.perf_counter()
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    procs = mp.start_processes(_rank_main, args=(args.ranks, _free_port(), queue),
+    procs = mp.start_processes(_rank_main, args=(args.ranks, free_port(), queue),
                                nprocs=args.ranks, join=False, start_method="spawn")
     rows = []
     for _ in grid():

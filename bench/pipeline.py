@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import statistics
 import sys
 import time
@@ -32,6 +31,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from bench.ranks import free_port, init_gloo_rank
 from parallel.job import (
     ConfigError,
     JobConfig,
@@ -89,9 +89,7 @@ def configs(p: int) -> tuple[list[tuple[str, int, int]], list[str]]:
 
 
 def _rank_main(rank: int, p: int, port: int, steps: int, out: mp.Queue) -> None:
-    torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=p)
+    init_gloo_rank(rank, p, port)
     from trainer.loop import Trainer
 
     tokens = np.random.default_rng(0).integers(0, 256, size=200_000).astype(np.uint16)
@@ -109,12 +107,6 @@ def _rank_main(rank: int, p: int, port: int, steps: int, out: mp.Queue) -> None:
             dist.barrier()
     finally:
         dist.destroy_process_group()
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _row(p: int, schedule: str, v: int, m: int, layout: Layout, results: list) -> str:
@@ -147,7 +139,7 @@ def main(argv: list[str] | None = None) -> int:
         queue = ctx.Queue()
         procs = mp.start_processes(
             _rank_main,
-            args=(p, _free_port(), args.steps, queue),
+            args=(p, free_port(), args.steps, queue),
             nprocs=p,
             join=False,
             start_method="spawn",

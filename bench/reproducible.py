@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import os
 import resource
-import socket
 import statistics
 import sys
 import time
@@ -38,6 +37,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from bench.ranks import free_port, init_gloo_rank
 from parallel.job import load
 from parallel.layout import resolve
 from parallel.mesh import build_mesh
@@ -62,10 +62,8 @@ def _peak_rss() -> int:
 
 
 def _join(rank: int, dp: int, port: int) -> timedelta:
-    torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     timeout = timedelta(seconds=120)
-    dist.init_process_group("gloo", rank=rank, world_size=dp, timeout=timeout)
+    init_gloo_rank(rank, dp, port, timeout)
     return timeout
 
 
@@ -133,16 +131,10 @@ def _memory_main(
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _spawn(fn: Callable[..., None], dp: int, *args: Any) -> Any:
     queue = mp.get_context("spawn").Queue()
     procs = mp.start_processes(
-        fn, args=(dp, _free_port(), *args, queue), nprocs=dp, join=False, start_method="spawn"
+        fn, args=(dp, free_port(), *args, queue), nprocs=dp, join=False, start_method="spawn"
     )
     result = queue.get(timeout=1800)
     procs.join()

@@ -55,8 +55,11 @@ def attention_flash(
 ) -> torch.Tensor:
     from flash_attn import flash_attn_func
 
-    # flash-attn wants (batch, seq, heads, head_dim) and handles GQA itself.
-    out = flash_attn_func(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=causal)
+    # flash-attn wants (batch, seq, heads, head_dim) and handles GQA itself. Its backward
+    # accumulates dQ with atomics unless asked to be deterministic (parallel.reproducible turns
+    # torch's deterministic mode on).
+    out = flash_attn_func(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=causal,
+                          deterministic=torch.are_deterministic_algorithms_enabled())
     return out.transpose(1, 2)
 
 
