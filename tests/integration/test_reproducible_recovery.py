@@ -8,7 +8,6 @@ mode the two runs agree within 1e-4; with it, exactly.
 
 from __future__ import annotations
 
-import json
 import signal
 from pathlib import Path
 
@@ -18,21 +17,12 @@ from daemon.cli.local import LocalCluster, _call
 from proto.ultrascale.v1 import agent_pb2 as pb
 from tests.conftest import small_job_text
 from tests.integration.conftest import wait_until
+from tests.integration.test_training_recovery import committed_steps
 from tests.launch import final_model_state, run_trainer
 from tests.processes import running
 
 pytestmark = pytest.mark.integration
 STEPS, KILL_AT = 20, 10
-
-
-def committed_steps(path: Path) -> dict[int, dict]:
-    """The last line written for each step is the committed one."""
-    out: dict[int, dict] = {}
-    if path.exists():
-        for line in path.read_text().splitlines():
-            rec = json.loads(line)
-            out[rec["step"]] = rec
-    return out
 
 
 def weights(ckpt: Path, tmp: Path) -> dict[str, bytes]:
