@@ -43,6 +43,16 @@ def test_unshared_checkpoint_dir_fails_the_job_naming_the_node(tmp_path: Path,
     with running(LocalCluster(tmp_path / "state", nodes=2, devices_per_node=1, ttl=2,
                               launch_prefix={"node-1": private})) as cluster:
         token = cluster.token_file.read_text().strip()
+
+        def ready_nodes() -> int:
+            reply = _call(cluster, token, "ListNodes", pb.ListNodesRequest())
+            assert isinstance(reply, pb.ListNodesResponse)
+            return sum(node.state == "ready" for node in reply.nodes)
+
+        # Both nodes must be members before the job is submitted: a node that registers after
+        # the first plan joins in a generation of its own, and the failure then comes in that
+        # second generation (correctly, but it would hide a retry from the assertion below).
+        wait_until(lambda: ready_nodes() == 2, 60, "both nodes ready")
         job = small_job_text(token_file, train={"steps": 8},
                              checkpoint={"dir": "ckpt", "every": 2})
         _call(cluster, token, "SubmitJob",
@@ -56,4 +66,5 @@ def test_unshared_checkpoint_dir_fails_the_job_naming_the_node(tmp_path: Path,
         final = wait_until(lambda: (s := status()).state == "failed" and s, 120, "failed")
         assert "checkpoint.dir is not shared: node-1 cannot see" in final.reason, final
         assert str(ckpt) in final.reason
+        assert final.world_size == 2, final
         assert final.generation == 1, "no retry: a mount is not fixed by re-forming"
