@@ -14,6 +14,13 @@ from trainer.tokens import write_token_file
 REPO = Path(__file__).resolve().parent.parent
 
 
+def slow(reason: str) -> pytest.MarkDecorator:
+    """Skip unless ULTRA_SLOW=1: tests whose ground a faster sibling in the default suite covers,
+    or that need minutes of CPU. `reason` says what the test costs or which sibling covers it."""
+    return pytest.mark.skipif(os.environ.get("ULTRA_SLOW", "") in ("", "0"),
+                              reason=f"{reason}; set ULTRA_SLOW=1 to run")
+
+
 @pytest.fixture(scope="session")
 def token_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """200k byte tokens: a seeded random walk over a small alphabet, so there is something to learn."""

@@ -8,12 +8,12 @@ query heads and 2 KV heads, so attention is grouped-query on every rank, also at
 
 from __future__ import annotations
 
-import os
 import shutil
 
 import pytest
 
 from tests.compare import assert_params_close
+from tests.conftest import slow
 from tests.distributed.reference import reference_run
 from tests.launch import final_model_state, run_trainer
 
@@ -25,9 +25,7 @@ RTOL = 1e-5
 # up to lr/eps times that noise (its tensor's relative difference then exceeds 1e-5).
 SECTIONS = {"train": {"eps": 1e-6}}
 
-SLOW = pytest.mark.skipif(
-    os.environ.get("ULTRA_SLOW", "") in ("", "0"), reason="16 ranks; set ULTRA_SLOW=1 to run"
-)
+SLOW = slow("16 ranks")
 
 
 @pytest.fixture(scope="module")
@@ -46,7 +44,8 @@ def reference(token_file, tmp_path_factory):
         pytest.param(4, {"cp": 4}, id="cp4"),
         # Selective recompute caches the blocks' matmul outputs: the ring must not write to them.
         pytest.param(2, {"cp": 2, "recompute": "selective"}, id="cp2-recompute-selective"),
-        pytest.param(4, {"cp": 2, "tp": 2}, id="cp2-tp2"),
+        pytest.param(4, {"cp": 2, "tp": 2}, id="cp2-tp2",
+                     marks=slow("cp2-tp2-sp-zero1-recompute-full covers it")),
         pytest.param(
             4,
             {"cp": 2, "tp": 2, "sequence_parallel": True, "zero": 1, "recompute": "full"},

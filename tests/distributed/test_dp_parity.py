@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from tests.compare import assert_params_close
+from tests.conftest import slow
 from tests.distributed.reference import reference_run
 from tests.launch import final_model_state, run_trainer
 
@@ -23,7 +24,7 @@ def reference(token_file, tmp_path_factory):
 
 
 @pytest.mark.parametrize("zero", [2, 3])
-@pytest.mark.parametrize("dp", [1, 2, 3, 4])
+@pytest.mark.parametrize("dp", [1, 2, 3, pytest.param(4, marks=slow("dp 2 and 3 cover it"))])
 def test_dp_matches_single_process(dp, zero, small_job, tmp_path, reference):
     ref_losses, ref_params = reference
     job = small_job()

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from tests.compare import assert_params_close
-from tests.conftest import small_job_text
+from tests.conftest import slow, small_job_text
 from tests.distributed.reference import reference_run
 from tests.launch import RunResult, final_model_state, run_trainer
 
@@ -100,6 +100,7 @@ def test_pp2_dp2_matches_single_process(pp_job, reference, tmp_path):
     assert_matches_reference(result, reference, ckpt, tmp_path, dp=2)
 
 
+@slow("pp2-cp2-tp2 and dp2-cp2-tp2 (test_context_parallel) and pp2-dp2 cover its pairs")
 def test_pp2_dp2_tp2_matches_single_process(pp_job, reference, tmp_path):
     ckpt = tmp_path / "ckpt"
     result = run_trainer(

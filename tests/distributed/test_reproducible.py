@@ -10,7 +10,6 @@ across stages, sharing one 40-step dp=1 run; ULTRA_SLOW=1 adds the whole grid
 
 from __future__ import annotations
 
-import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,7 +18,7 @@ import pytest
 import torch
 
 from tests.compare import assert_params_close
-from tests.conftest import REPO
+from tests.conftest import REPO, slow
 from tests.distributed.reference import reference_run
 from tests.launch import RunResult, final_model_state, run_trainer
 
@@ -27,10 +26,7 @@ pytestmark = pytest.mark.distributed
 STEPS = 8
 ON = ("--set", "parallel.reproducible=true")
 
-SLOW = pytest.mark.skipif(
-    os.environ.get("ULTRA_SLOW", "") in ("", "0"),
-    reason="40 steps of examples/tiny.toml over the whole grid; set ULTRA_SLOW=1 to run",
-)
+SLOW = slow("40 steps of examples/tiny.toml over the whole grid")
 
 
 @dataclass(frozen=True)

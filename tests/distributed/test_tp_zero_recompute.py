@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 
 from tests.compare import assert_params_close
+from tests.conftest import slow
 from tests.distributed.reference import reference_run
 from tests.launch import final_model_state, run_trainer
 
@@ -38,8 +39,10 @@ def reference(token_file, tmp_path_factory):
     [
         pytest.param(2, {"tp": 2}, id="tp2"),
         pytest.param(2, {"tp": 2, "sequence_parallel": True}, id="tp2-sp"),
-        pytest.param(4, {"tp": 4}, id="tp4"),
-        pytest.param(4, {"tp": 4, "sequence_parallel": True}, id="tp4-sp"),
+        pytest.param(4, {"tp": 4}, id="tp4",
+                     marks=slow("tp2 covers the same code with fewer ranks")),
+        pytest.param(4, {"tp": 4, "sequence_parallel": True}, id="tp4-sp",
+                     marks=slow("tp2-sp covers the same code with fewer ranks")),
         pytest.param(
             2,
             {"tp": 2, "sequence_parallel": True, "recompute": "selective"},
