@@ -28,6 +28,7 @@ class AgentConfig:
     device_memory: int = 0        # bytes per device for the planner's memory check; 0: unknown
     listen: str = "127.0.0.1:0"
     metrics_listen: str = "127.0.0.1:0"
+    health_listen: str = ""       # plaintext grpc.health.v1 probes (daemon/api/probes.py); "": off
     state_dir: Path = Path("/var/lib/ultrad")
     job: str = "default"          # the etcd namespace: /ultrascale/<job>/
     ttl: int = 5                  # lease TTL; every other timeout derives from it

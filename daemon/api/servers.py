@@ -21,6 +21,7 @@ from grpc_reflection.v1alpha import reflection
 from daemon.api.admin_service import AdminService
 from daemon.api.auth import BearerTokenInterceptor, load_or_create_token
 from daemon.api.metrics import Metrics, serve
+from daemon.api.probes import agent_probes, start_probe_server
 from daemon.config import AgentConfig
 from daemon.node.worker_service import WorkerControlService
 from proto.ultrascale.v1 import agent_pb2 as pb
@@ -38,6 +39,7 @@ class AgentIO:
         self.token = ""
         self.address = ""
         self.metrics_url = ""
+        self.health_address = ""
         self.socket_path = Path()
         self.pid = os.getpid()
         self._servers: list[grpc.aio.Server] = []
@@ -81,11 +83,15 @@ class AgentIO:
         self._servers.append(workers)
         await workers.start()
         os.chmod(self.socket_path, 0o600)  # only this user's processes may drive the agent
+        if cfg.health_listen:
+            probes, self.health_address = await start_probe_server(cfg.health_listen,
+                                                                   agent_probes(host))
+            self._servers.append(probes)
 
     def write_agent_file(self, node: str) -> None:
         """Where to reach this agent, for `ultrad local`, tests and operators."""
         info = {"node": node, "address": self.address, "metrics_url": self.metrics_url,
-                "socket": str(self.socket_path), "pid": self.pid}
+                "socket": str(self.socket_path), "pid": self.pid, "health": self.health_address}
         path = self.config.state_dir / "agent.json"
         tmp = path.with_suffix(".tmp")
         tmp.write_text(json.dumps(info))

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from daemon.api.auth import AuthError, check_listen
+from daemon.api.probes import check_health_listen
 from daemon.control.etcd_client import parse_endpoints
 from daemon.control.keys import check_name
 from daemon.procutil import arm_parent_death
@@ -42,6 +43,8 @@ _OPTIONS: dict[str, tuple[type, Any, str]] = {
                               "jobs that allow re-planning (0: unknown, not checked)"),
     "listen": (str, "127.0.0.1:7400", "gRPC listen address for ultractl and peers"),
     "metrics_listen": (str, "127.0.0.1:9400", "Prometheus /metrics listen address"),
+    "health_listen": (str, "", "plaintext grpc.health.v1 listen address for Kubernetes probes "
+                               "(services readiness, liveness; empty: off)"),
     "state_dir": (str, "/var/lib/ultrad", "state directory (token, socket, worker logs)"),
     "token_file": (str, "", "admin bearer token file (default: generated in the state dir)"),
     "job": (str, "default", "job namespace in etcd: keys live under /ultrascale/<job>/"),
@@ -138,12 +141,15 @@ def build_config(opts: dict[str, Any]) -> Any:
         # /metrics carries no secret, but the same policy keeps surprises away.
         check_listen(opts["metrics_listen"], tls=False, insecure=opts["insecure"],
                      flag="--metrics-listen")
+        if opts["health_listen"]:
+            check_health_listen(opts["health_listen"])
     except (AuthError, ValueError) as exc:
         raise UsageError(str(exc)) from None
     return AgentConfig(
         node_id=opts["node_id"], devices=opts["devices"], etcd=opts["etcd"],
         device_memory=opts["device_memory"],
         listen=opts["listen"], metrics_listen=opts["metrics_listen"],
+        health_listen=opts["health_listen"],
         state_dir=Path(opts["state_dir"]).expanduser(), job=opts["job"], ttl=opts["ttl"],
         token_file=Path(opts["token_file"]).expanduser() if opts["token_file"] else None,
         insecure=opts["insecure"], tls=tls, advertise_host=opts["advertise_host"],
