@@ -20,6 +20,7 @@ from daemon.api.servers import AgentIO
 from daemon.config import AgentConfig
 from daemon.control.election import Election
 from daemon.control.etcd_client import ETCD_ERRORS, Etcd
+from daemon.control.job_submit import offer_job_file
 from daemon.control.keys import Keys
 from daemon.control.leader import Leader
 from daemon.control.membership import Membership
@@ -103,6 +104,9 @@ class Agent:
         spawn(self._follower(), "follower")
         spawn(self.progress.run(), "progress")
         spawn(self._etcd_health(), "etcd-health")
+        if cfg.job_file is not None:
+            spawn(offer_job_file(self.etcd, self.keys, cfg.job_file, cfg.ttl), "job-file",
+                  long_lived=False)
         if self.supervisor is not None:
             spawn(Watchdog(self.hangs, self._fault, self._kill_hung,
                            lambda: self.view.generation, cfg.ttl).run(), "watchdog")

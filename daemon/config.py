@@ -31,6 +31,7 @@ class AgentConfig:
     health_listen: str = ""       # plaintext grpc.health.v1 probes (daemon/api/probes.py); "": off
     state_dir: Path = Path("/var/lib/ultrad")
     job: str = "default"          # the etcd namespace: /ultrascale/<job>/
+    job_file: Path | None = None  # a job to store at start unless one is stored already
     ttl: int = 5                  # lease TTL; every other timeout derives from it
     token_file: Path | None = None
     insecure: bool = False

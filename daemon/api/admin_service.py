@@ -11,17 +11,13 @@ import grpc
 
 from daemon.api.events import history
 from daemon.control.etcd_client import Etcd
+from daemon.control.job_submit import prepare_spec, write_spec
 from daemon.control.keys import Keys
-from daemon.control.records import ControlOp, ControlRequest, JobSpec, JobState, NodeState
+from daemon.control.records import ControlOp, ControlRequest, JobState, NodeState
 from daemon.control.view import ClusterView
 from parallel import job as jobmod
-from parallel.layout import resolve
 from proto.ultrascale.v1 import agent_pb2 as pb
 from proto.ultrascale.v1 import agent_pb2_grpc as pb_grpc
-
-# etcd refuses requests over --max-request-bytes (1.5 MiB by default); keep room for the
-# transaction around the value.
-MAX_SPEC_BYTES = 1024 * 1024
 
 
 class AdminHost(Protocol):
@@ -95,35 +91,14 @@ class AdminService(pb_grpc.AgentServicer):
     async def SubmitJob(self, request: pb.SubmitJobRequest,
                         context: grpc.aio.ServicerContext) -> pb.SubmitJobResponse:
         try:
-            job = jobmod.loads(request.spec_toml, list(request.overrides), source="job spec")
-            p = job.parallel
-            # Check the layout on the smallest world it could run on, so an unsupported or
-            # inconsistent parallelism is refused now rather than when nodes are planned.
-            resolve(job, (p.dp if isinstance(p.dp, int) else 1) * p.tp * p.pp * p.cp)
+            spec = prepare_spec(request.spec_toml, request.overrides, source="job spec")
         except jobmod.ConfigError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        spec = JobSpec(config=job.to_dict(), toml=request.spec_toml,
-                       overrides=tuple(request.overrides), submitted_at=time.time())
-        value = spec.to_json()
-        if len(value) > MAX_SPEC_BYTES:
-            await context.abort(
-                grpc.StatusCode.INVALID_ARGUMENT,
-                f"spec_toml: the stored job is {len(value)} bytes, over the {MAX_SPEC_BYTES} "
-                f"byte limit (etcd refuses requests over --max-request-bytes, 1.5 MiB by "
-                f"default)")
-        keys, etcd = self.host.keys, self.host.etcd
-        compare = [] if request.replace else [etcd.tx.version(keys.spec) == 0]
-        # A new job starts from nothing: the previous job's progress and orders go with it.
-        ok, responses = await etcd.txn(
-            compare,
-            [etcd.tx.put(keys.spec, value), etcd.tx.delete(keys.progress),
-             etcd.tx.delete(keys.checkpoint), etcd.tx.delete(keys.directive)],
-        )
-        if not ok:
+        revision = await write_spec(self.host.etcd, self.host.keys, spec, request.replace)
+        if revision is None:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
                                 "a job is already submitted; pass --replace to replace it")
-        return pb.SubmitJobResponse(job=job.job.name,
-                                    revision=responses[0].response_put.header.revision)
+        return pb.SubmitJobResponse(job=str(spec.config["job"]["name"]), revision=revision)
 
     async def _node_op(self, op: ControlOp, request: pb.NodeRequest,
                        context: grpc.aio.ServicerContext) -> pb.NodeResponse:

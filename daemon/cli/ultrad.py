@@ -24,6 +24,7 @@ from typing import Any
 from daemon.api.auth import AuthError, check_listen
 from daemon.api.probes import check_health_listen
 from daemon.control.etcd_client import parse_endpoints
+from daemon.control.job_submit import read_job_file
 from daemon.control.keys import check_name
 from daemon.procutil import arm_parent_death
 
@@ -48,6 +49,7 @@ _OPTIONS: dict[str, tuple[type, Any, str]] = {
     "state_dir": (str, "/var/lib/ultrad", "state directory (token, socket, worker logs)"),
     "token_file": (str, "", "admin bearer token file (default: generated in the state dir)"),
     "job": (str, "default", "job namespace in etcd: keys live under /ultrascale/<job>/"),
+    "job_file": (str, "", "job file (TOML) to submit at start unless a job is already stored"),
     "ttl": (int, 5, "lease TTL in seconds; every other timeout derives from it"),
     "advertise_host": (str, "", "host peers and workers reach this agent at"),
     "tls_cert": (str, "", "TLS certificate (PEM) for the gRPC listener"),
@@ -141,6 +143,8 @@ def build_config(opts: dict[str, Any]) -> Any:
         # /metrics carries no secret, but the same policy keeps surprises away.
         check_listen(opts["metrics_listen"], tls=False, insecure=opts["insecure"],
                      flag="--metrics-listen")
+        if opts["job_file"]:
+            read_job_file(Path(opts["job_file"]))
         if opts["health_listen"]:
             check_health_listen(opts["health_listen"])
     except (AuthError, ValueError) as exc:
@@ -151,6 +155,7 @@ def build_config(opts: dict[str, Any]) -> Any:
         listen=opts["listen"], metrics_listen=opts["metrics_listen"],
         health_listen=opts["health_listen"],
         state_dir=Path(opts["state_dir"]).expanduser(), job=opts["job"], ttl=opts["ttl"],
+        job_file=Path(opts["job_file"]) if opts["job_file"] else None,
         token_file=Path(opts["token_file"]).expanduser() if opts["token_file"] else None,
         insecure=opts["insecure"], tls=tls, advertise_host=opts["advertise_host"],
         workers=not opts["no_workers"], worker_module=opts["worker_module"],

@@ -66,3 +66,14 @@ def test_bad_health_listen_names_the_flag(address: str, tmp_path) -> None:
         return
     with pytest.raises(UsageError, match="--health-listen"):
         build_config(opts)
+
+
+def test_bad_job_file_names_the_flag_and_the_field(tmp_path) -> None:
+    job = tmp_path / "job.toml"
+    job.write_text('[train]\nglobal_batch = "eight"\n')
+    base = ["--etcd", "http://127.0.0.1:2379", "--devices", "1", "--state-dir", str(tmp_path)]
+    for path, expected in ((job, r"--job-file .*train\.global_batch"),
+                           (tmp_path / "missing.toml", r"--job-file .*missing\.toml")):
+        opts = resolve_options(_parser().parse_args([*base, "--job-file", str(path)]), {})
+        with pytest.raises(UsageError, match=expected):
+            build_config(opts)
