@@ -140,8 +140,9 @@ def build_config(opts: dict[str, Any]) -> Any:
                         Path(opts["tls_ca"]) if opts["tls_ca"] else None)
     try:
         check_listen(opts["listen"], tls=tls is not None, insecure=opts["insecure"])
-        # /metrics carries no secret, but the same policy keeps surprises away.
-        check_listen(opts["metrics_listen"], tls=False, insecure=opts["insecure"],
+        # /metrics carries no secret: an agent whose gRPC is TLS may publish it anywhere (a
+        # Prometheus on another host); a clear-text agent keeps the loopback policy.
+        check_listen(opts["metrics_listen"], tls=tls is not None, insecure=opts["insecure"],
                      flag="--metrics-listen")
         if opts["job_file"]:
             read_job_file(Path(opts["job_file"]))
