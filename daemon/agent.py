@@ -54,7 +54,8 @@ class Agent:
         self.devices = config.devices
         self.keys = Keys(config.job)
         self.metrics = Metrics()
-        self.etcd = Etcd(config.etcd, timeout=max(1.0, config.ttl / 2))
+        self.etcd = Etcd(config.etcd, timeout=max(1.0, config.ttl / 2),
+                         security=config.etcd_security)
         self.view = ClusterView(self.etcd, self.keys)
         self.election = Election(self.etcd, self.keys, self.node_id)
         self.state = StateMachine()

@@ -7,6 +7,8 @@ from pathlib import Path
 
 import grpc
 
+from daemon.control.etcd_security import EtcdSecurity
+
 
 @dataclass(frozen=True)
 class TLSConfig:
@@ -36,6 +38,7 @@ class AgentConfig:
     token_file: Path | None = None
     insecure: bool = False
     tls: TLSConfig | None = None
+    etcd_security: EtcdSecurity = EtcdSecurity()  # TLS and user/password towards etcd
     advertise_host: str = ""      # host peers and workers use; default: the listen host
     workers: bool = True          # False: control plane only (tests), no worker processes
     worker_module: str = "trainer.worker"

@@ -1,9 +1,11 @@
 """Admin authentication (bearer token) and the listen-address policy.
 
 The token is given (--token-file) or generated into the state dir, 0600, on first start; every
-Agent RPC must carry `authorization: Bearer <token>`. Health and reflection stay open so probes
-and grpcurl work without a secret. Listening beyond loopback without TLS is refused unless the
-operator says --insecure, because the token would cross the network in clear text.
+Agent RPC must carry `authorization: Bearer <token>`. A token file that group or others may
+read is refused. Health and reflection stay open so probes and grpcurl work without a secret.
+Listening beyond loopback without TLS is refused unless the operator says --insecure, because
+the token would cross the network in clear text. /metrics is not held to that rule: it serves
+no secret and takes no input (docs/security.md).
 """
 
 from __future__ import annotations
@@ -18,6 +20,8 @@ from typing import Any
 
 import grpc
 
+from daemon.secret_files import SecretFileError, read_secret
+
 TOKEN_FILE = "token"
 _OPEN_SERVICES = ("/grpc.health.v1.Health/", "/grpc.reflection.")
 
@@ -28,17 +32,14 @@ class AuthError(ValueError):
 
 def load_or_create_token(token_file: Path | None, state_dir: Path) -> tuple[str, Path]:
     """The admin token and the file it lives in."""
-    if token_file is not None:
-        try:
-            token = token_file.read_text().strip()
-        except OSError as exc:
-            raise AuthError(f"--token-file {token_file}: {exc.strerror}") from None
-        if not token:
-            raise AuthError(f"--token-file {token_file} is empty")
-        return token, token_file
-    path = state_dir / TOKEN_FILE
-    if path.exists():
-        return path.read_text().strip(), path
+    try:
+        if token_file is not None:
+            return read_secret(token_file, "--token-file"), token_file
+        path = state_dir / TOKEN_FILE
+        if path.exists():
+            return read_secret(path, "token file"), path
+    except SecretFileError as exc:
+        raise AuthError(str(exc)) from None
     state_dir.mkdir(parents=True, exist_ok=True)
     token = secrets.token_urlsafe(32)
     # O_EXCL + 0600 at creation: the secret is never readable by others, not even briefly.
@@ -48,10 +49,10 @@ def load_or_create_token(token_file: Path | None, state_dir: Path) -> tuple[str,
     return token, path
 
 
-def split_host_port(address: str) -> tuple[str, int]:
+def split_host_port(address: str, flag: str = "") -> tuple[str, int]:
     host, sep, port = address.rpartition(":")
     if not sep or not port.isdigit():
-        raise ValueError(f"expected host:port (got {address!r})")
+        raise ValueError(f"{flag + ': ' if flag else ''}expected host:port (got {address!r})")
     return host.strip("[]"), int(port)
 
 
@@ -67,7 +68,7 @@ def is_loopback(host: str) -> bool:
 def check_listen(address: str, *, tls: bool, insecure: bool, flag: str = "--listen") -> None:
     if address.startswith("unix:"):
         return
-    host, _ = split_host_port(address)
+    host, _ = split_host_port(address, flag)
     if not is_loopback(host) and not tls and not insecure:
         raise AuthError(
             f"{flag} {address} is not a loopback address and no TLS certificate is configured; "

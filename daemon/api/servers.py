@@ -24,6 +24,7 @@ from daemon.api.metrics import Metrics, serve
 from daemon.api.probes import agent_probes, start_probe_server
 from daemon.config import AgentConfig
 from daemon.node.worker_service import WorkerControlService
+from daemon.tls_files import client_credentials
 from proto.ultrascale.v1 import agent_pb2 as pb
 from proto.ultrascale.v1 import agent_pb2_grpc as pb_grpc
 
@@ -122,9 +123,9 @@ class AgentIO:
         if address not in self._peers:
             tls = self.config.tls
             if tls is not None:
-                ca = tls.ca.read_bytes() if tls.ca else None
-                creds = grpc.ssl_channel_credentials(ca, tls.key.read_bytes(),
-                                                     tls.cert.read_bytes())
+                # The agent's own certificate doubles as its client certificate: peers that
+                # require mTLS accept it when both chain to the same --tls-ca.
+                creds = client_credentials(tls.ca, tls.cert, tls.key)
                 self._peers[address] = grpc.aio.secure_channel(address, creds)
             else:
                 self._peers[address] = grpc.aio.insecure_channel(address)

@@ -5,6 +5,8 @@
     current-context: local
     contexts:
       local: {endpoint: 127.0.0.1:7400, token-file: /tmp/ultrad-local/token}
+      prod: {endpoint: 10.0.0.1:7400, token-file: ~/.ultra/token, tls-ca: ~/.ultra/ca.pem,
+             tls-cert: ~/.ultra/operator.pem, tls-key: ~/.ultra/operator.key}
 """
 
 from __future__ import annotations
@@ -27,6 +29,8 @@ class Context:
     endpoint: str
     token_file: str = ""
     tls_ca: str = ""
+    tls_cert: str = ""  # a client certificate, for agents that require one (mTLS)
+    tls_key: str = ""
 
 
 def config_path(env: dict[str, str] | None = None) -> Path:
@@ -59,7 +63,8 @@ def load_context(path: Path, name: str = "") -> Context | None:
         raise ContextError(f"--context: no context {name!r} with an endpoint in {path} "
                            f"(known: {known or 'none'})")
     return Context(name, str(entry["endpoint"]), str(entry.get("token-file", "")),
-                   str(entry.get("tls-ca", "")))
+                   str(entry.get("tls-ca", "")), str(entry.get("tls-cert", "")),
+                   str(entry.get("tls-key", "")))
 
 
 def save_context(path: Path, context: Context, make_current: bool = True) -> None:
@@ -67,8 +72,10 @@ def save_context(path: Path, context: Context, make_current: bool = True) -> Non
     raw = _read(path)
     contexts = raw.get("contexts") if isinstance(raw.get("contexts"), dict) else {}
     entry = {"endpoint": context.endpoint, "token-file": context.token_file}
-    if context.tls_ca:
-        entry["tls-ca"] = context.tls_ca
+    for field, value in (("tls-ca", context.tls_ca), ("tls-cert", context.tls_cert),
+                         ("tls-key", context.tls_key)):
+        if value:
+            entry[field] = value
     contexts[context.name] = entry
     raw["contexts"] = contexts
     if make_current:

@@ -1,14 +1,15 @@
 """ultractl: administer a cluster of ultrad agents.
 
-    ultractl [-o table|json|yaml] [--endpoint ADDR] [--token-file F] [--context NAME] COMMAND
+    ultractl [-o table|json|yaml] [--endpoint ADDR] [--token-file F] [--context NAME]
+             [--tls-ca F] [--tls-cert F --tls-key F] COMMAND
       status | nodes | job submit FILE [--set k=v]... [--replace]
       plan [--explain] [--world NODESxDEVICES] [--memory BYTES] [--free DIMS] [--job FILE]
       drain NODE | cordon NODE | uncordon NODE | checkpoint | events [-f]
 
-Endpoint and token come from the flags, else ULTRA_ENDPOINT / ULTRA_TOKEN_FILE, else the
-context (--context, ULTRA_CONTEXT or the config's current-context) in
-$XDG_CONFIG_HOME/ultrascale/config. An endpoint may list several agents (a,b,c): the first
-that answers is used. `-o` goes before or after the command. Data goes to stdout,
+Endpoint, token and TLS files come from the flags, else ULTRA_ENDPOINT / ULTRA_TOKEN_FILE /
+ULTRA_TLS_CA / ULTRA_TLS_CERT / ULTRA_TLS_KEY, else the context (--context, ULTRA_CONTEXT or
+the config's current-context) in $XDG_CONFIG_HOME/ultrascale/config. An endpoint may list
+several agents (a,b,c): the first that answers is used. `-o` goes before or after the command. Data goes to stdout,
 diagnostics to stderr.
 `plan` shows the live plan with the planner's predictions; `--world`/`--memory`/`--free` ask
 what the layout search would choose on another world (with `--job FILE`, no cluster needed).
@@ -32,6 +33,8 @@ from google.protobuf.json_format import MessageToDict
 from daemon.api.auth import call_metadata
 from daemon.cli import whatif
 from daemon.cli.ctlconfig import ContextError, config_path, load_context
+from daemon.secret_files import SecretFileError, read_secret
+from daemon.tls_files import TLSFileError, client_credentials
 from parallel import job as jobmod
 from parallel.planner import Plan
 from proto.ultrascale.v1 import agent_pb2 as pb
@@ -54,6 +57,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--token-file", default=env("ULTRA_TOKEN_FILE"), help="bearer token file")
     p.add_argument("--context", default=env("ULTRA_CONTEXT", ""), help="context in the config")
     p.add_argument("--tls-ca", default=env("ULTRA_TLS_CA"), help="CA to verify the agent's TLS")
+    p.add_argument("--tls-cert", default=env("ULTRA_TLS_CERT"),
+                   help="client certificate (PEM) for agents that require one (mTLS)")
+    p.add_argument("--tls-key", default=env("ULTRA_TLS_KEY"), help="its private key (PEM)")
     p.add_argument("-o", "--output", choices=_OUTPUTS, default=env("ULTRA_OUTPUT", "table"))
     p.add_argument("--timeout", type=float, default=10.0, help="seconds per call")
     # kubectl habit: `ultractl nodes -o json` as well as `ultractl -o json nodes`.
@@ -92,6 +98,7 @@ def _parser() -> argparse.ArgumentParser:
 
 def _connect(args: argparse.Namespace) -> tuple[pb_grpc.AgentStub, tuple[tuple[str, str], ...]]:
     endpoint, token_file, ca = args.endpoint, args.token_file, args.tls_ca
+    cert, key = args.tls_cert, args.tls_key
     if not endpoint or not token_file:
         try:
             ctx = load_context(config_path(), args.context)
@@ -100,16 +107,24 @@ def _connect(args: argparse.Namespace) -> tuple[pb_grpc.AgentStub, tuple[tuple[s
         if ctx is not None:
             endpoint, token_file = endpoint or ctx.endpoint, token_file or ctx.token_file
             ca = ca or ctx.tls_ca or None
+            if not cert and not key:
+                cert, key = ctx.tls_cert or None, ctx.tls_key or None
     if not endpoint:
         raise CtlError("no endpoint: pass --endpoint, set ULTRA_ENDPOINT, or configure a "
                        f"context in {config_path()}", 2)
     token = ""
     if token_file:
         try:
-            token = Path(token_file).expanduser().read_text().strip()
-        except OSError as exc:
-            raise CtlError(f"--token-file {token_file}: {exc.strerror}", 2) from None
-    creds = grpc.ssl_channel_credentials(Path(ca).read_bytes()) if ca else None
+            token = read_secret(Path(token_file).expanduser(), "--token-file")
+        except SecretFileError as exc:
+            raise CtlError(str(exc), 2) from None
+    creds = None
+    if ca or cert or key:
+        try:
+            creds = client_credentials(Path(ca) if ca else None, Path(cert) if cert else None,
+                                       Path(key) if key else None)
+        except TLSFileError as exc:
+            raise CtlError(str(exc), 2) from None
     endpoints = [e.strip() for e in endpoint.split(",") if e.strip()]
     return _FailoverStub(endpoints, creds), call_metadata(token) if token else ()
 

@@ -1,7 +1,9 @@
 """ultrad: the per-node agent.
 
     ultrad --etcd URL[,URL] --node-id ID --devices N --listen ADDR --metrics-listen ADDR \\
-           --state-dir DIR [--token-file F] [--insecure] [--config FILE]
+           --state-dir DIR [--token-file F] [--insecure] [--config FILE] \\
+           [--tls-cert F --tls-key F [--tls-ca F]] \\
+           [--etcd-ca F] [--etcd-cert F --etcd-key F] [--etcd-user U --etcd-password-file F]
     ultrad local JOB.toml --nodes N --devices-per-node K [--state-dir DIR] [--set k=v ...]
 
 Every flag falls back to an `ULTRA_<FLAG>` environment variable (e.g. ULTRA_NODE_ID), then to
@@ -21,12 +23,13 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from daemon.api.auth import AuthError, check_listen
+from daemon.api.auth import AuthError, check_listen, is_loopback, split_host_port
 from daemon.api.probes import check_health_listen
 from daemon.control.etcd_client import parse_endpoints
 from daemon.control.job_submit import read_job_file
 from daemon.control.keys import check_name
 from daemon.procutil import arm_parent_death
+from daemon.tls_files import read_pem
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -37,7 +40,13 @@ log = logging.getLogger("ultrad")
 
 # name: (type, default, help); None default = required.
 _OPTIONS: dict[str, tuple[type, Any, str]] = {
-    "etcd": (str, None, "etcd endpoints, comma separated (host:port or http://host:port)"),
+    "etcd": (str, None, "etcd endpoints, comma separated (host:port, http:// or https://)"),
+    "etcd_ca": (str, "", "CA (PEM) that verifies etcd's certificate (https:// without it: "
+                         "the system's roots)"),
+    "etcd_cert": (str, "", "client certificate (PEM) for etcd's --client-cert-auth"),
+    "etcd_key": (str, "", "its private key (PEM)"),
+    "etcd_user": (str, "", "etcd user, when etcd auth is enabled"),
+    "etcd_password_file": (str, "", "file holding that user's password (mode 0600)"),
     "node_id": (str, socket.gethostname().split(".")[0], "this node's id (default: hostname)"),
     "devices": (int, None, "devices (workers) on this node"),
     "device_memory": (int, 0, "bytes of memory per device, for the planner's memory check of "
@@ -139,11 +148,14 @@ def build_config(opts: dict[str, Any]) -> Any:
         tls = TLSConfig(Path(opts["tls_cert"]), Path(opts["tls_key"]),
                         Path(opts["tls_ca"]) if opts["tls_ca"] else None)
     try:
+        for flag in ("tls_cert", "tls_key", "tls_ca"):
+            if opts[flag]:
+                read_pem(Path(opts[flag]), f"--{flag.replace('_', '-')}")
+        etcd_security = _etcd_security(opts)
         check_listen(opts["listen"], tls=tls is not None, insecure=opts["insecure"])
-        # /metrics carries no secret: an agent whose gRPC is TLS may publish it anywhere (a
-        # Prometheus on another host); a clear-text agent keeps the loopback policy.
-        check_listen(opts["metrics_listen"], tls=tls is not None, insecure=opts["insecure"],
-                     flag="--metrics-listen")
+        # /metrics serves no secret and takes no input, so Prometheus on another host may
+        # scrape it without --insecure (which would also allow a clear-text gRPC listener).
+        split_host_port(opts["metrics_listen"], "--metrics-listen")
         if opts["job_file"]:
             read_job_file(Path(opts["job_file"]))
         if opts["health_listen"]:
@@ -151,6 +163,7 @@ def build_config(opts: dict[str, Any]) -> Any:
     except (AuthError, ValueError) as exc:
         raise UsageError(str(exc)) from None
     return AgentConfig(
+        etcd_security=etcd_security,
         node_id=opts["node_id"], devices=opts["devices"], etcd=opts["etcd"],
         device_memory=opts["device_memory"],
         listen=opts["listen"], metrics_listen=opts["metrics_listen"],
@@ -162,6 +175,26 @@ def build_config(opts: dict[str, Any]) -> Any:
         workers=not opts["no_workers"], worker_module=opts["worker_module"],
         etcd_outage_s=opts["etcd_outage"],
     )
+
+
+def _etcd_security(opts: dict[str, Any]) -> Any:
+    """Checked now, so a typo fails at start with the flag's name, not at the first call."""
+    from daemon.control.etcd_security import EtcdSecurity
+
+    def path(name: str) -> Path | None:
+        return Path(opts[name]).expanduser() if opts[name] else None
+
+    security = EtcdSecurity(ca=path("etcd_ca"), cert=path("etcd_cert"), key=path("etcd_key"),
+                            user=opts["etcd_user"], password_file=path("etcd_password_file"))
+    tls = security.uses_tls(opts["etcd"])
+    if tls:
+        security.credentials()
+    security.password()
+    remote = [h for h, _ in parse_endpoints(opts["etcd"]) if not is_loopback(h)]
+    if security.user and not tls and remote and not opts["insecure"]:
+        raise UsageError(f"--etcd-user: the password would cross the network in clear text to "
+                         f"{remote[0]}; use https:// endpoints or pass --insecure")
+    return security
 
 
 async def run_agent(config: Any) -> int:

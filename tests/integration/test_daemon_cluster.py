@@ -62,6 +62,7 @@ def test_wrong_or_missing_token_is_unauthenticated(shared_cluster: Cluster, tmp_
     assert health.status == health_pb2.HealthCheckResponse.SERVING
     wrong = tmp_path / "wrong"
     wrong.write_text("nope")
+    wrong.chmod(0o600)
     result = c.ctl("status", token_file=wrong)
     assert result.returncode == 1 and "UNAUTHENTICATED" in result.stderr
 

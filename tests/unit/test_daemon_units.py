@@ -26,6 +26,7 @@ def test_token_is_generated_once_with_0600(tmp_path: Path) -> None:
     assert load_or_create_token(None, tmp_path / "state") == (token, path)
     given = tmp_path / "given"
     given.write_text("abc\n")
+    given.chmod(0o600)
     assert load_or_create_token(given, tmp_path / "other")[0] == "abc"
     with pytest.raises(AuthError, match="--token-file"):
         load_or_create_token(tmp_path / "missing", tmp_path)
