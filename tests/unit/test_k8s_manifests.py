@@ -16,6 +16,7 @@ import yaml
 
 from daemon.api.probes import LIVENESS, READINESS
 from daemon.cli import ultrad
+from tests.pki import make_ca
 
 pytestmark = pytest.mark.unit
 
@@ -207,6 +208,19 @@ def test_kubectl_kustomize_builds_every_object_into_the_namespace() -> None:
 # -- the DaemonSet against the agent ------------------------------------------------------------
 
 
+def secret_data(name: str, pki: Path) -> dict[str, bytes]:
+    """What the Secret `name` holds once created as docs/kubernetes.md says."""
+    if name == "ultrad-token":
+        return {"token": b"k8s-test-token\n"}
+    if name == "ultrad-tls":
+        ca = make_ca(pki, "cluster")
+        agent = ca.issue("agent", san=f"IP:{DOWNWARD['POD_IP']}")
+        return {"tls.crt": agent.cert.read_bytes(), "tls.key": agent.key.read_bytes(),
+                "ca.crt": ca.cert.read_bytes()}
+    raise AssertionError(f"the DaemonSet mounts Secret {name!r}, which docs/kubernetes.md "
+                         "does not say how to create")
+
+
 def agent_args(tmp_path: Path) -> list[str]:
     """The container's args as the kubelet runs them, with every mounted file the agent reads
     written under tmp_path (the job from the ConfigMap itself)."""
@@ -218,13 +232,20 @@ def agent_args(tmp_path: Path) -> list[str]:
     spec = daemonset()["spec"]["template"]["spec"]
     volumes = {v["name"]: v for v in spec["volumes"]}
     for mount in container["volumeMounts"]:
-        source = volumes[mount["name"]].get("configMap")
-        if source is None:
-            continue
+        volume = volumes[mount["name"]]
         root = tmp_path / mount["mountPath"].lstrip("/")
-        root.mkdir(parents=True)
-        for key, text in objs[("ConfigMap", source["name"])]["data"].items():
-            (root / key).write_text(text)
+        if "configMap" in volume:
+            root.mkdir(parents=True)
+            for key, text in objs[("ConfigMap", volume["configMap"]["name"])]["data"].items():
+                (root / key).write_text(text)
+        elif "secret" in volume:
+            # The Secrets are made by the operator (docs/kubernetes.md): their keys as the
+            # documented commands create them, their files with the volume's defaultMode.
+            secret = volume["secret"]
+            root.mkdir(parents=True)
+            for key, data in secret_data(secret["secretName"], tmp_path / "pki").items():
+                (root / key).write_bytes(data)
+                (root / key).chmod(secret.get("defaultMode", 0o644))
     return [a.replace("=/etc/", f"={tmp_path}/etc/") for a in args]
 
 
