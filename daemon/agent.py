@@ -11,10 +11,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import random
 import time
 
 from daemon import __version__
+from daemon.api.advertise import worker_network_env
 from daemon.api.metrics import Metrics
 from daemon.api.servers import AgentIO
 from daemon.config import AgentConfig
@@ -85,7 +87,8 @@ class Agent:
         if cfg.workers:
             self.supervisor = Supervisor(self.node_id, self.io.socket_path,
                                          cfg.state_dir / "logs", self._on_worker_exit,
-                                         cfg.worker_module)
+                                         cfg.worker_module, extra_env=worker_network_env(
+                                             self.io.advertised_host, dict(os.environ)))
         record = NodeRecord(self.node_id, self.io.address, self.io.metrics_url, cfg.devices,
                             pid=self.io.pid, version=__version__,
                             device_memory=cfg.device_memory)
