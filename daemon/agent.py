@@ -11,10 +11,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import random
 import time
 
 from daemon import __version__
+from daemon.api.advertise import worker_network_env
 from daemon.api.metrics import Metrics
 from daemon.api.servers import AgentIO
 from daemon.config import AgentConfig
@@ -87,7 +89,8 @@ class Agent:
         if cfg.workers:
             self.supervisor = Supervisor(self.node_id, self.io.socket_path,
                                          cfg.state_dir / "logs", self._on_worker_exit,
-                                         cfg.worker_module)
+                                         cfg.worker_module, extra_env=worker_network_env(
+                                             self.io.advertised_host, dict(os.environ)))
         record = NodeRecord(self.node_id, self.io.address, self.io.metrics_url, cfg.devices,
                             pid=self.io.pid, version=__version__,
                             device_memory=cfg.device_memory)
@@ -187,6 +190,15 @@ class Agent:
         self._seen_generation = 0
         # The world our workers were in is broken: never hand it to a fresh worker again.
         self.broken_generation = max(self.broken_generation, self.view.generation)
+        plan, progress = self.view.plan, self.view.progress
+        if plan is not None and self.node_id in plan.nodes:
+            # Re-joining within the leader's debounce, our key only blinks: without a report
+            # the leader keeps a generation this node no longer runs, and the others wait out
+            # join_timeout_s. Delivered once we are back (or dropped when g is replaced).
+            g = plan.generation
+            self._report_failure(f"failure-{self.node_id}-{g}-fenced", g, FailureKind.LOST,
+                                 progress.step if progress.generation == g else -1,
+                                 f"{self.node_id} fenced itself: {reason}")
         if self.supervisor is not None:
             await self.supervisor.kill_all()
 
@@ -336,9 +348,13 @@ class Agent:
         self.broken_generation = max(self.broken_generation, generation)
         log.error("worker local_rank=%d failed in generation %d (%s): %s", local_rank,
                   generation, kind.value, message[:500])
+        self._report_failure(f"failure-{self.node_id}-{generation}-{local_rank}", generation,
+                             kind, step, message)
+
+    def _report_failure(self, request_id: str, generation: int, kind: FailureKind, step: int,
+                        message: str) -> None:
         request = ControlRequest(op=ControlOp.FAILURE, node=self.node_id, generation=generation,
                                  kind=kind, step=step, message=message[:2000], time=time.time())
-        request_id = f"failure-{self.node_id}-{generation}-{local_rank}"
         self.tasks.spawn(self._put_until_acknowledged(request_id, request, generation),
                          f"report-{request_id}", long_lived=False)
 

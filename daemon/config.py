@@ -39,7 +39,7 @@ class AgentConfig:
     insecure: bool = False
     tls: TLSConfig | None = None
     etcd_security: EtcdSecurity = EtcdSecurity()  # TLS and user/password towards etcd
-    advertise_host: str = ""      # host peers and workers use; default: the listen host
+    advertise_host: str = ""      # host peers and workers use; default: api/advertise.py
     workers: bool = True          # False: control plane only (tests), no worker processes
     worker_module: str = "trainer.worker"
     # How long workers keep training while etcd is unreachable for every agent (an outage in

@@ -8,6 +8,7 @@ other without sharing the admin token.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import tempfile
@@ -18,11 +19,13 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from daemon.api import advertise
 from daemon.api.admin_service import AdminService
 from daemon.api.auth import BearerTokenInterceptor, load_or_create_token
 from daemon.api.metrics import Metrics, serve
 from daemon.api.probes import agent_probes, start_probe_server
 from daemon.config import AgentConfig
+from daemon.control.etcd_client import parse_endpoints
 from daemon.node.worker_service import WorkerControlService
 from daemon.tls_files import client_credentials
 from proto.ultrascale.v1 import agent_pb2 as pb
@@ -38,7 +41,8 @@ class AgentIO:
         self.config = config
         self.metrics = metrics
         self.token = ""
-        self.address = ""
+        self.address = ""  # what peers, workers and ultractl dial: advertised host:bound port
+        self.advertised_host = ""  # never a wildcard (advertise.py)
         self.metrics_url = ""
         self.health_address = ""
         self.socket_path = Path()
@@ -49,16 +53,18 @@ class AgentIO:
         self._etcd_serving: bool | None = None
         self._peers: dict[str, grpc.aio.Channel] = {}
 
-    @property
-    def advertised_host(self) -> str:
-        return self.config.advertise_host or self.address.rpartition(":")[0]
-
     async def start(self, host: Any) -> None:
         cfg = self.config
         self.token, _ = load_or_create_token(cfg.token_file, cfg.state_dir)
+        self.advertised_host = await asyncio.to_thread(
+            advertise.choose, cfg.listen.rpartition(":")[0], cfg.advertise_host,
+            parse_endpoints(cfg.etcd))
         listen_host, _, port = cfg.metrics_listen.rpartition(":")
         self._metrics_server = serve(self.metrics, listen_host, int(port))
-        self.metrics_url = f"http://{listen_host}:{self._metrics_server.server_port}/metrics"
+        metrics_host = self.advertised_host if advertise.is_wildcard(listen_host) \
+            else listen_host.strip("[]")
+        metrics_port = self._metrics_server.server_port
+        self.metrics_url = f"http://{advertise.host_port(metrics_host, metrics_port)}/metrics"
 
         server = grpc.aio.server(interceptors=[BearerTokenInterceptor(self.token)])
         pb_grpc.add_AgentServicer_to_server(AdminService(host), server)
@@ -73,7 +79,7 @@ class AgentIO:
             bound = server.add_insecure_port(cfg.listen)
         self._servers.append(server)
         await server.start()
-        self.address = f"{cfg.listen.rpartition(':')[0]}:{bound}"
+        self.address = advertise.host_port(self.advertised_host, bound)
         await self.set_etcd_health(False)
 
         self.socket_path = _socket_path(cfg.state_dir)

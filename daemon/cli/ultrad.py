@@ -23,6 +23,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from daemon.api.advertise import is_wildcard
 from daemon.api.auth import AuthError, check_listen, is_loopback, split_host_port
 from daemon.api.probes import check_health_listen
 from daemon.control.etcd_client import parse_endpoints
@@ -60,7 +61,9 @@ _OPTIONS: dict[str, tuple[type, Any, str]] = {
     "job": (str, "default", "job namespace in etcd: keys live under /ultrascale/<job>/"),
     "job_file": (str, "", "job file (TOML) to submit at start unless a job is already stored"),
     "ttl": (int, 5, "lease TTL in seconds; every other timeout derives from it"),
-    "advertise_host": (str, "", "host peers and workers reach this agent at"),
+    "advertise_host": (str, "", "host peers and workers reach this agent at (default: the "
+                                "listen host; for a wildcard listen, the address that routes "
+                                "to etcd)"),
     "tls_cert": (str, "", "TLS certificate (PEM) for the gRPC listener"),
     "tls_key": (str, "", "TLS private key (PEM)"),
     "tls_ca": (str, "", "CA (PEM) that client certificates must chain to (mTLS)"),
@@ -141,6 +144,9 @@ def build_config(opts: dict[str, Any]) -> Any:
         raise UsageError(f"--etcd-outage must be >= 0 (got {opts['etcd_outage']})")
     if opts["ttl"] < 2:
         raise UsageError(f"--ttl must be >= 2 seconds (etcd's minimum lease; got {opts['ttl']})")
+    if opts["advertise_host"] and is_wildcard(opts["advertise_host"]):
+        raise UsageError(f"--advertise-host {opts['advertise_host']} is a wildcard; give an "
+                         "address or name peers can reach")
     if bool(opts["tls_cert"]) != bool(opts["tls_key"]):
         raise UsageError("--tls-cert and --tls-key go together")
     tls = None

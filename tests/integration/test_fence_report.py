@@ -1,0 +1,68 @@
+"""An agent that fences itself reports it, so its generation is replaced at once.
+
+A starved agent (its keepalive acknowledgements late, its lease still alive in etcd) fences
+itself and re-joins; if that happens within the leader's debounce, its node key only blinks and
+the leader would keep a generation that this node no longer runs, leaving the others to wait
+out `fault.join_timeout_s`. Two real agents in this process on a real etcd (control plane only);
+the member that is not the leader goes through the agent's fencing callback while its key stays
+put: the leader must replace the generation.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+
+from daemon.agent import Agent
+from daemon.config import AgentConfig
+from daemon.control.etcd_server import EtcdServer
+from daemon.control.records import JobSpec
+from parallel import job as jobmod
+from tests.integration.conftest import TINY_JOB
+
+pytestmark = pytest.mark.integration
+DEADLINE_S = 60.0  # a bound for a hang, not a performance expectation
+
+
+async def _until(predicate, what: str) -> None:  # type: ignore[no-untyped-def]
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + DEADLINE_S
+    while not predicate():
+        if loop.time() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        await asyncio.sleep(0.05)
+
+
+def test_a_fenced_member_gets_its_generation_replaced(etcd: EtcdServer, tmp_path: Path) -> None:
+    token = tmp_path / "token"
+    token.write_text("t\n")
+    token.chmod(0o600)
+
+    async def scenario() -> None:
+        agents = [Agent(AgentConfig(node_id=n, devices=1, etcd=etcd.endpoint,
+                                    state_dir=tmp_path / n, job="fence", ttl=2,
+                                    token_file=token, workers=False)) for n in ("a", "b")]
+        try:
+            for agent in agents:
+                await agent.start()
+            a = agents[0]
+            await _until(lambda: len(a.view.nodes) == 2 and a.view.leader is not None,
+                         "two members and a leader")
+            spec = JobSpec(config=jobmod.loads(TINY_JOB).to_dict(), toml=TINY_JOB)
+            await a.etcd.put(a.keys.spec, spec.to_json())
+            await _until(lambda: a.view.plan is not None and len(a.view.plan.nodes) == 2,
+                         "a generation of both nodes")
+            assert a.view.plan is not None
+            first = a.view.plan.generation
+            leader = a.view.leader[0] if a.view.leader else ""
+            member = next(x for x in agents if x.node_id != leader)
+            await member._on_fenced("keepalive acknowledgements late (test)")
+            await _until(lambda: a.view.generation > first, "the generation to be replaced")
+            assert a.view.plan is not None and a.view.plan.generation == first + 1
+        finally:
+            for agent in agents:
+                await agent.stop()
+
+    asyncio.run(scenario())
