@@ -142,12 +142,13 @@ class Agents:
                     self._start_next()
                     next_start = now + STAGGER_S
                     continue
+                at = ", ".join(self.target.endpoints)
                 if not live:
-                    raise Unreachable(f"cannot reach any agent at {', '.join(self.target.endpoints)}"
-                                      " (every connection failed)")
+                    why = "every agent was unavailable" if skip else "every connection failed"
+                    raise Unreachable(f"cannot reach any agent at {at} ({why})")
                 if now >= deadline:
-                    raise Unreachable(f"cannot reach any agent at {', '.join(self.target.endpoints)}"
-                                      f" (none ready within {self._connect_timeout:g}s)")
+                    raise Unreachable(f"cannot reach any agent at {at} (none ready within "
+                                      f"{self._connect_timeout:g}s)")
                 wait = deadline - now
                 if self._started < n:
                     wait = min(wait, next_start - now)
