@@ -1,4 +1,5 @@
-"""ultractl against real agents: an `ultrad local` cluster's context outlives its first agent,
+"""ultractl against real agents: an `ultrad local` cluster's context outlives its first agent
+(stopped or killed),
 a context learns every member through one agent, flags go after the command, and each field
 comes from the flag, else the environment, else the context."""
 
@@ -6,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -58,6 +60,11 @@ def test_local_context_answers_after_its_first_agent_is_killed(local: LocalClust
     before = ultractl(config, "--context", "local", "status", "-o", "json")
     assert before.returncode == 0, before.stderr
     assert json.loads(before.stdout)["node"] == "node-0"
+    # Stopped, node-0 still accepts TCP but never answers: the next agent is tried alongside.
+    local.agents["node-0"].send_signal(signal.SIGSTOP)
+    stopped = ultractl(config, "--context", "local", "status", "-o", "json")
+    assert stopped.returncode == 0, stopped.stderr
+    assert json.loads(stopped.stdout)["node"] in ("node-1", "node-2")
     kill(local, "node-0")
     after = ultractl(config, "--context", "local", "status", "-o", "json")
     assert after.returncode == 0, after.stderr
