@@ -143,9 +143,9 @@ def test_flags_after_the_command_and_flag_over_env_over_context(shared_cluster: 
     assert ultractl(config, "status", "--token-file", token, ULTRA_ENDPOINT=live,
                     ULTRA_TOKEN_FILE=str(wrong)).returncode == 0
     # Endpoints from the environment are not the context's: nothing discovered into it.
-    assert "discovered" not in yaml_context(config, "stale")
+    assert "discovered" not in context_row(config, "stale")
 
 
-def yaml_context(config: Path, name: str) -> dict[str, object]:
+def context_row(config: Path, name: str) -> dict[str, object]:
     rows = json.loads(ultractl(config, "config", "get-contexts", "-o", "json").stdout)
     return next(r for r in rows if r["name"] == name)
