@@ -38,7 +38,8 @@ def local(tmp_path: Path) -> Iterator[LocalCluster]:
     cluster = LocalCluster(tmp_path / "local", nodes=3, devices_per_node=1, ttl=TTL,
                            extra_agent_args=["--no-workers"])
     try:
-        cluster.start()
+        # Three agents import grpc and etcd's client at once: allow for a loaded machine.
+        cluster.start(timeout=120)
         yield cluster
     finally:
         cluster.stop()
