@@ -104,6 +104,10 @@ class LocalCluster:
                 out.append(json.loads(path.read_text())["address"])
         return out
 
+    def context(self, name: str = "local") -> Context:
+        """ultractl's context for this cluster: every live agent's endpoint and the token."""
+        return Context(name, ",".join(self.endpoints()), str(self.token_file))
+
     def stop(self) -> None:
         for proc in self.agents.values():
             if proc.poll() is None:
@@ -161,8 +165,7 @@ def run(args: argparse.Namespace) -> int:
         cluster.start()
         assert cluster.etcd is not None
         token = cluster.token_file.read_text().strip()
-        save_context(config_path(), Context("local", ",".join(cluster.endpoints()),
-                                            str(cluster.token_file)))
+        save_context(config_path(), cluster.context())
         print(f"ultrad local: etcd {cluster.etcd.endpoint}, {args.nodes} agent(s); "
               f"`ultractl --context local status` works from another shell", file=sys.stderr)
         _call(cluster, token, "SubmitJob", pb.SubmitJobRequest(

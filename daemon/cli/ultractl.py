@@ -1,19 +1,23 @@
 """ultractl: administer a cluster of ultrad agents.
 
-    ultractl [-o table|json|yaml] [--endpoint ADDR] [--token-file F] [--context NAME]
-             [--tls-ca F] [--tls-cert F --tls-key F] COMMAND
+    ultractl [GLOBAL FLAGS] COMMAND [ARGS] [GLOBAL FLAGS]
       status | nodes | job submit FILE [--set k=v]... [--replace]
       plan [--explain] [--world NODESxDEVICES] [--memory BYTES] [--free DIMS] [--job FILE]
       drain NODE | cordon NODE | uncordon NODE | checkpoint | events [-f]
+      config get-contexts | current-context | use-context NAME | delete-context NAME
+             | set-context NAME [--endpoint A[,B...]] [--token-file F] [--tls-ca F]
+      completion bash|zsh
 
-Endpoint, token and TLS files come from the flags, else ULTRA_ENDPOINT / ULTRA_TOKEN_FILE /
-ULTRA_TLS_CA / ULTRA_TLS_CERT / ULTRA_TLS_KEY, else the context (--context, ULTRA_CONTEXT or
-the config's current-context) in $XDG_CONFIG_HOME/ultrascale/config. An endpoint may list
-several agents (a,b,c): the first that answers is used. `-o` goes before or after the command. Data goes to stdout,
-diagnostics to stderr.
+Global flags go before or after the command: --endpoint, --token-file, --tls-ca, --context,
+--config, -o/--output table|json|yaml, --timeout. Each field comes from its flag, else its
+environment variable (ULTRA_ENDPOINT, ULTRA_TOKEN_FILE, ULTRA_TLS_CA, ULTRA_CONTEXT,
+ULTRACTL_CONFIG, ULTRA_OUTPUT, ULTRA_TIMEOUT), else the context. An endpoint may list several
+agents (a,b,c); a context also remembers every member an agent reported, so any live agent
+answers. Data goes to stdout, diagnostics to stderr. See docs/ultractl.md.
 `plan` shows the live plan with the planner's predictions; `--world`/`--memory`/`--free` ask
 what the layout search would choose on another world (with `--job FILE`, no cluster needed).
-Exit codes: 0 ok, 1 failure (including a rejected request), 2 usage.
+Exit codes: 0 ok, 1 failure (including a rejected request), 2 usage (bad flags, files or
+config), 3 no agent could be reached (nothing was sent: safe to retry).
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ import argparse
 import json
 import os
 import sys
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -30,44 +34,96 @@ import grpc
 import yaml
 from google.protobuf.json_format import MessageToDict
 
-from daemon.api.auth import call_metadata
-from daemon.cli import whatif
-from daemon.cli.ctlconfig import ContextError, config_path, load_context
-from daemon.secret_files import SecretFileError, read_secret
-from daemon.tls_files import TLSFileError, client_credentials
+from daemon.cli import completion, configcmd, whatif
+from daemon.cli.ctlconfig import ContextError, config_path
+from daemon.cli.ctlconnect import Agents, TargetError, TLSFiles, Unreachable, resolve_target
 from parallel import job as jobmod
 from parallel.planner import Plan
 from proto.ultrascale.v1 import agent_pb2 as pb
-from proto.ultrascale.v1 import agent_pb2_grpc as pb_grpc
 
 _OUTPUTS = ("table", "json", "yaml")
+EXIT_OK, EXIT_FAILURE, EXIT_USAGE, EXIT_UNREACHABLE = 0, 1, 2, 3
 
 
 class CtlError(Exception):
-    def __init__(self, message: str, code: int = 1) -> None:
+    def __init__(self, message: str, code: int = EXIT_FAILURE) -> None:
         super().__init__(message)
         self.code = code
 
 
-def _parser() -> argparse.ArgumentParser:
+def _env_defaults(env: Mapping[str, str]) -> dict[str, Any]:
+    """The global flags' fallbacks, checked here since argparse does not check defaults."""
+    output = env.get("ULTRA_OUTPUT") or "table"
+    if output not in _OUTPUTS:
+        raise CtlError(f"ULTRA_OUTPUT: expected one of {', '.join(_OUTPUTS)} (got {output!r})",
+                       EXIT_USAGE)
+    try:
+        timeout = _seconds(env.get("ULTRA_TIMEOUT") or "10")
+    except argparse.ArgumentTypeError as exc:
+        raise CtlError(f"ULTRA_TIMEOUT: {exc}", EXIT_USAGE) from None
+    return {"endpoint": env.get("ULTRA_ENDPOINT") or None,
+            "token_file": env.get("ULTRA_TOKEN_FILE") or None,
+            "tls_ca": env.get("ULTRA_TLS_CA") or None,
+            "tls_cert": env.get("ULTRA_TLS_CERT") or None,
+            "tls_key": env.get("ULTRA_TLS_KEY") or None,
+            "context": env.get("ULTRA_CONTEXT", ""),
+            "config": str(config_path(env)),
+            "output": output, "timeout": timeout}
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"expected seconds > 0 (got {text!r})")
+    return value
+
+
+def _global_flags(p: argparse.ArgumentParser, defaults: Mapping[str, Any] | None,
+                  skip: Iterable[str] = ()) -> None:
+    """The flags every command takes, before or after it (kubectl habit).
+
+    The top-level parser holds the real defaults; a command's parser uses SUPPRESS, so a flag
+    given after the command overrides the top level's value and an absent one leaves it alone.
+    """
+    def default(dest: str) -> Any:
+        return defaults[dest] if defaults is not None else argparse.SUPPRESS
+
+    flags: list[tuple[tuple[str, ...], dict[str, Any]]] = [
+        (("--endpoint",), {"metavar": "HOST:PORT[,...]", "help": "agents to talk to"}),
+        (("--token-file",), {"metavar": "FILE", "help": "bearer token file"}),
+        (("--tls-ca",), {"metavar": "FILE", "help": "CA to verify the agents' TLS"}),
+        (("--tls-cert",), {"metavar": "FILE",
+                           "help": "client certificate (PEM) for agents that require one"}),
+        (("--tls-key",), {"metavar": "FILE", "help": "the client certificate's key (PEM)"}),
+        (("--context",), {"help": "context in the config file"}),
+        (("--config",), {"metavar": "FILE", "help": "ultractl's config file"}),
+        (("-o", "--output"), {"choices": _OUTPUTS, "help": "output format"}),
+        (("--timeout",), {"type": _seconds, "metavar": "SECONDS",
+                          "help": "deadline to reach an agent, and per call"}),
+    ]
+    skip = set(skip)
+    for names, kwargs in flags:
+        if not skip.intersection(names):
+            dest = names[-1].lstrip("-").replace("-", "_")
+            p.add_argument(*names, dest=dest, default=default(dest), **kwargs)
+
+
+def _command_parser(own_flags: Iterable[str] = (), **kwargs: Any) -> argparse.ArgumentParser:
+    """parser_class of every command: an ArgumentParser that takes the global flags too."""
+    p = argparse.ArgumentParser(**kwargs)
+    _global_flags(p, None, own_flags)
+    return p
+
+
+def _parser(env: Mapping[str, str] | None = None) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="ultractl", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    env = os.environ.get
-    p.add_argument("--endpoint", default=env("ULTRA_ENDPOINT"), help="agent host:port")
-    p.add_argument("--token-file", default=env("ULTRA_TOKEN_FILE"), help="bearer token file")
-    p.add_argument("--context", default=env("ULTRA_CONTEXT", ""), help="context in the config")
-    p.add_argument("--tls-ca", default=env("ULTRA_TLS_CA"), help="CA to verify the agent's TLS")
-    p.add_argument("--tls-cert", default=env("ULTRA_TLS_CERT"),
-                   help="client certificate (PEM) for agents that require one (mTLS)")
-    p.add_argument("--tls-key", default=env("ULTRA_TLS_KEY"), help="its private key (PEM)")
-    p.add_argument("-o", "--output", choices=_OUTPUTS, default=env("ULTRA_OUTPUT", "table"))
-    p.add_argument("--timeout", type=float, default=10.0, help="seconds per call")
-    # kubectl habit: `ultractl nodes -o json` as well as `ultractl -o json nodes`.
-    common = argparse.ArgumentParser(add_help=False)
-    common.add_argument("-o", "--output", choices=_OUTPUTS, default=argparse.SUPPRESS)
+    _global_flags(p, _env_defaults(os.environ if env is None else env))
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND",
-                           parser_class=lambda **kw: argparse.ArgumentParser(
-                               parents=[common], **kw))
+                           parser_class=_command_parser)
     sub.add_parser("status", help="the job and the cluster at a glance")
     sub.add_parser("nodes", help="members and their state")
     plan = sub.add_parser("plan", help="the current generation plan, with predictions")
@@ -81,8 +137,8 @@ def _parser() -> argparse.ArgumentParser:
     plan.add_argument("--job", help="a job file instead of the live job (no cluster needed)")
     plan.add_argument("--set", dest="overrides", action="append", default=[],
                       metavar="KEY=VALUE", help="override a --job field")
-    job = sub.add_parser("job", help="job commands").add_subparsers(dest="job_command",
-                                                                    required=True)
+    job = sub.add_parser("job", help="job commands").add_subparsers(
+        dest="job_command", required=True, parser_class=_command_parser)
     submit = job.add_parser("submit", help="submit a job spec (TOML)")
     submit.add_argument("file")
     submit.add_argument("--set", dest="overrides", action="append", default=[],
@@ -93,73 +149,21 @@ def _parser() -> argparse.ArgumentParser:
     sub.add_parser("checkpoint", help="checkpoint at the next agreed step boundary")
     events = sub.add_parser("events", help="cluster events")
     events.add_argument("-f", "--follow", action="store_true")
+    configcmd.add_parsers(sub, _command_parser)
+    sub.add_parser("completion", help="print a shell completion script").add_argument(
+        "shell", choices=("bash", "zsh"))
     return p
 
 
-def _connect(args: argparse.Namespace) -> tuple[pb_grpc.AgentStub, tuple[tuple[str, str], ...]]:
-    endpoint, token_file, ca = args.endpoint, args.token_file, args.tls_ca
-    cert, key = args.tls_cert, args.tls_key
-    if not endpoint or not token_file:
-        try:
-            ctx = load_context(config_path(), args.context)
-        except ContextError as exc:
-            raise CtlError(str(exc), 2) from None
-        if ctx is not None:
-            endpoint, token_file = endpoint or ctx.endpoint, token_file or ctx.token_file
-            ca = ca or ctx.tls_ca or None
-            if not cert and not key:
-                cert, key = ctx.tls_cert or None, ctx.tls_key or None
-    if not endpoint:
-        raise CtlError("no endpoint: pass --endpoint, set ULTRA_ENDPOINT, or configure a "
-                       f"context in {config_path()}", 2)
-    token = ""
-    if token_file:
-        try:
-            token = read_secret(Path(token_file).expanduser(), "--token-file")
-        except SecretFileError as exc:
-            raise CtlError(str(exc), 2) from None
-    creds = None
-    if ca or cert or key:
-        try:
-            creds = client_credentials(Path(ca) if ca else None, Path(cert) if cert else None,
-                                       Path(key) if key else None)
-        except TLSFileError as exc:
-            raise CtlError(str(exc), 2) from None
-    endpoints = [e.strip() for e in endpoint.split(",") if e.strip()]
-    return _FailoverStub(endpoints, creds), call_metadata(token) if token else ()
-
-
-class _FailoverStub:
-    """An AgentStub over several endpoints: each call goes to the first agent that answers."""
-
-    def __init__(self, endpoints: list[str], creds: grpc.ChannelCredentials | None) -> None:
-        self._stubs = [pb_grpc.AgentStub(grpc.secure_channel(e, creds) if creds
-                                         else grpc.insecure_channel(e)) for e in endpoints]
-
-    def __getattr__(self, method: str) -> Callable[..., Any]:
-        def call(*args: Any, **kwargs: Any) -> Any:
-            error: grpc.RpcError | None = None
-            for stub in self._stubs:
-                try:
-                    reply = getattr(stub, method)(*args, **kwargs)
-                    if method == "WatchEvents":
-                        # A stream fails on its first message, not at the call.
-                        first = next(iter(reply), None)
-                        return _chain(first, reply)
-                    return reply
-                except grpc.RpcError as exc:
-                    if exc.code() != grpc.StatusCode.UNAVAILABLE:  # type: ignore[attr-defined]
-                        raise
-                    error = exc
-            assert error is not None
-            raise error
-        return call
-
-
-def _chain(first: Any, rest: Iterable[Any]) -> Iterable[Any]:
-    if first is not None:
-        yield first
-        yield from rest
+def _connect(args: argparse.Namespace) -> tuple[Agents, tuple[tuple[str, str], ...]]:
+    try:
+        target = resolve_target(args.endpoint, args.token_file,
+                                TLSFiles(args.tls_ca, args.tls_cert, args.tls_key),
+                                args.context, Path(args.config))
+    except TargetError as exc:
+        raise CtlError(str(exc), EXIT_USAGE) from None
+    agents = Agents(target, args.timeout)
+    return agents, agents.metadata
 
 
 def _dict(message: Any) -> dict[str, Any]:
@@ -292,6 +296,14 @@ def _plan_lines(plan: dict[str, Any], explain: bool) -> Iterable[str]:
 def run(args: argparse.Namespace) -> int:
     if args.command == "plan":
         return _plan(args)
+    if args.command == "completion":
+        print(completion.script(args.shell, "ultractl", _parser()), end="")
+        return EXIT_OK
+    if args.command == "config":
+        try:
+            return configcmd.run(args, Path(args.config), _emit)
+        except ContextError as exc:
+            raise CtlError(str(exc), EXIT_USAGE) from None
     stub, md = _connect(args)
     t, out = args.timeout, args.output
     if args.command == "status":
@@ -305,7 +317,7 @@ def run(args: argparse.Namespace) -> int:
         try:
             text = Path(args.file).read_text()
         except OSError as exc:
-            raise CtlError(f"{args.file}: {exc.strerror}") from None
+            raise CtlError(f"{args.file}: {exc.strerror}", EXIT_USAGE) from None
         reply = stub.SubmitJob(pb.SubmitJobRequest(spec_toml=text, overrides=args.overrides,
                                                    replace=args.replace), timeout=t, metadata=md)
         _emit(_dict(reply), out, lambda r: [f"job {r['job']} submitted "
@@ -333,17 +345,22 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+def main(argv: list[str] | None = None, env: Mapping[str, str] | None = None) -> int:
     try:
+        args = _parser(env).parse_args(argv)
         return run(args)
+    except SystemExit as exc:  # argparse: usage errors (2), --help (0)
+        return exc.code if isinstance(exc.code, int) else EXIT_USAGE
     except CtlError as exc:
         print(f"ultractl: {exc}", file=sys.stderr)
         return exc.code
+    except Unreachable as exc:
+        print(f"ultractl: {exc}", file=sys.stderr)
+        return EXIT_UNREACHABLE
     except grpc.RpcError as exc:
         code = exc.code()  # type: ignore[attr-defined]
         print(f"ultractl: {code.name}: {exc.details()}", file=sys.stderr)  # type: ignore[attr-defined]
-        return 1
+        return EXIT_FAILURE
     except KeyboardInterrupt:
         return 130
 

@@ -68,7 +68,7 @@ def test_ultractl_names_a_missing_client_key(tmp_path: Path,
 
 def test_context_keeps_client_certificate(tmp_path: Path) -> None:
     path = tmp_path / "config"
-    ctx = Context("prod", "10.0.0.1:7400", "/t", "/ca.pem", "/op.pem", "/op.key")
+    ctx = Context("prod", "10.0.0.1:7400", "/t", "/ca.pem", tls_cert="/op.pem", tls_key="/op.key")
     save_context(path, ctx)
     assert load_context(path) == ctx
 
