@@ -80,6 +80,14 @@ class Job:
     def status(self) -> pb.Status:
         return _call(self.cluster, self.token, "GetStatus", pb.GetStatusRequest())  # type: ignore[return-value]
 
+    def history(self) -> str:
+        """The generations the agents saw and what each worker restored, for failure messages."""
+        lines = []
+        for log in sorted(self.cluster.state_dir.glob("node-*/**/*.log")):
+            lines += [f"{log.name}: {line}" for line in log.read_text(errors="replace").splitlines()
+                      if "generation" in line]
+        return "\n".join(lines[-60:])
+
     def metrics_urls(self) -> list[str]:
         return [json.loads((self.cluster.state_dir / node / "agent.json").read_text())
                 ["metrics_url"] for node in self.cluster.agents]
@@ -175,8 +183,12 @@ def test_prometheus_finds_every_metric_the_dashboards_and_rules_use(
     wait_until(lambda: len(targets()) == 2 and all(t["health"] == "up" for t in targets()),
                60, "both agents scraped")
     # The job's end, scraped: every step counted, a checkpoint committed and timed.
-    wait_until(lambda: prometheus.value("max(ultra_train_steps_total)") == STEPS, 60,
-               f"ultra_train_steps_total = {STEPS} in Prometheus")
+    try:
+        wait_until(lambda: prometheus.value("max(ultra_train_steps_total)") == STEPS, 60,
+                   f"ultra_train_steps_total = {STEPS} in Prometheus")
+    except AssertionError as exc:
+        per_agent = prometheus.api("query", query="ultra_train_steps_total")["result"]
+        raise AssertionError(f"{exc}: {per_agent}\n{job.history()}") from None
     assert prometheus.value("max(ultra_checkpoint_last_step)") == STEPS
     assert prometheus.value('max(ultra_job_state{state="finished"})') == 1
     assert prometheus.value("sum(ultra_checkpoint_duration_seconds_count)") >= 1
