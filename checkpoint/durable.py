@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import sys
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from datetime import timedelta
@@ -48,27 +49,31 @@ class CheckpointManager:
         self._committed = threading.Event()
         self._committed.set()
         self._error: str | None = None
-        # Rank 0 only: (step, path) of every checkpoint whose manifest this process wrote, in
-        # order; appended from DCP's thread (one append, so readers never see half an entry).
-        self.commits: list[tuple[int, Path]] = []
+        # Rank 0 only: (step, path, seconds from save_async to manifest) of every checkpoint
+        # whose manifest this process wrote, in order; appended from DCP's thread (one append,
+        # so readers never see half an entry).
+        self.commits: list[tuple[int, Path, float]] = []
 
     def save_async(self, state: TrainState) -> None:
         """Stage the state to host memory now and write it in the background."""
         self.wait()
+        started = time.monotonic()
         step, consumed = state.progress.step, state.progress.consumed_samples
         path = checkpoint_dir(self.root, step)
         path.mkdir(parents=True, exist_ok=True)
         future = dcp.async_save({"state": state}, checkpoint_id=str(path), process_group=self.group)
         if self.rank == 0:
             self._committed.clear()
-            future.add_done_callback(lambda f: self._commit(f, path, step, consumed))
+            future.add_done_callback(lambda f: self._commit(f, path, step, consumed, started))
         self._pending = future
 
-    def _commit(self, future: Future, path: Path, step: int, consumed: int) -> None:
+    def _commit(
+        self, future: Future, path: Path, step: int, consumed: int, started: float
+    ) -> None:
         try:
             future.result()
             write_manifest(path, step=step, consumed_samples=consumed, layout=self.layout)
-            self.commits.append((step, path))
+            self.commits.append((step, path, time.monotonic() - started))
             apply_retention(self.root, self.keep)
         except Exception as exc:  # reported, never raised into DCP's executor thread
             self._error = f"checkpoint {path.name} failed: {exc}"

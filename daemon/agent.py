@@ -16,6 +16,7 @@ import random
 import time
 
 from daemon import __version__
+from daemon.api.admin_service import job_state
 from daemon.api.advertise import worker_network_env
 from daemon.api.metrics import Metrics
 from daemon.api.servers import AgentIO
@@ -236,6 +237,8 @@ class Agent:
         if "nodes" in kinds and plan is not None and self._failure_at is None \
                 and any(n not in self.view.nodes for n in plan.nodes):
             self._failure_at = (time.monotonic(), plan.generation)
+        if kinds & {"spec", "status", "checkpoint"}:
+            self.metrics.observe_job(job_state(self.view)[0], self.view.checkpoint)
         self._follow.set()
 
     async def _follower(self) -> None:
@@ -255,7 +258,7 @@ class Agent:
         in_plan = plan is not None and self.node_id in plan.nodes
         if plan is not None and plan.generation != self._seen_generation:
             self._seen_generation = plan.generation
-            self.metrics.observe_plan(plan)
+            self.metrics.observe_plan(plan, self.view.progress)
             if in_plan:
                 self.state.to(AgentState.RECONFIGURING, f"generation {plan.generation}")
                 if self.supervisor is not None:
@@ -333,6 +336,7 @@ class Agent:
 
     def on_checkpoint(self, report: pb.CheckpointReport) -> None:
         if report.global_rank == 0:
+            self.metrics.observe_checkpoint(report)
             self.progress.checkpoint(report.generation, report.step, report.path)
 
     def on_done(self, report: pb.DoneReport) -> None:

@@ -119,7 +119,9 @@ class AgentLink:
             ),
         )
 
-    def report_checkpoint(self, gp: pb.GenerationPlan, step: int, path: str) -> None:
+    def report_checkpoint(
+        self, gp: pb.GenerationPlan, step: int, path: str, seconds: float
+    ) -> None:
         self._call(
             "ReportCheckpoint",
             pb.CheckpointReport(
@@ -128,6 +130,7 @@ class AgentLink:
                 local_rank=self.local_rank,
                 step=step,
                 path=path,
+                seconds=seconds,
             ),
         )
 

@@ -184,8 +184,9 @@ class GenerationDriver:
         if self.ckpt is not None:
             self.ckpt.wait()
 
-    def new_commits(self) -> list[tuple[int, Path]]:
-        """(step, path) of each checkpoint committed since the last call; rank 0 only."""
+    def new_commits(self) -> list[tuple[int, Path, float]]:
+        """(step, path, seconds the save took) of each checkpoint committed since the last call;
+        rank 0 only."""
         if self.ckpt is None:
             return []
         commits = self.ckpt.commits[self._reported :]

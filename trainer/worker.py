@@ -177,8 +177,8 @@ class Generation:
         return Outcome("done" if finished else "stopped", driver.step)
 
     def _report_commits(self, driver: GenerationDriver) -> None:
-        for step, path in driver.new_commits():  # rank 0 only
-            self.link.report_checkpoint(self.gp, step, str(path))
+        for step, path, seconds in driver.new_commits():  # rank 0 only
+            self.link.report_checkpoint(self.gp, step, str(path), seconds)
 
 
 def run_one(

@@ -2,7 +2,9 @@
 
 Names and labels are listed in the README's metrics table. Training metrics count the job's
 global progress as seen by this node's local rank 0 (every rank reports the same global loss and token count),
-so any one agent's /metrics tells the job's story.
+so any one agent's /metrics tells the job's story. The job's state and its newest checkpoint come
+from etcd (the agent's view), so every agent exports them, in or out of the generation; the
+dashboards and rules in deploy/ aggregate over agents with max().
 """
 
 from __future__ import annotations
@@ -17,16 +19,20 @@ from prometheus_client import (
     Gauge,
     Histogram,
     Info,
+    ProcessCollector,
     start_http_server,
 )
 
 from daemon import __version__
+from daemon.control.records import CheckpointRecord, JobState, Progress
 from parallel.planner import Plan
 from proto.ultrascale.v1 import agent_pb2 as pb
 
 MEMORY_KINDS = ("params", "grads", "optimizer", "activations")
 _STEP_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 _RECOVERY_BUCKETS = (0.25, 0.5, 1, 2, 3, 5, 10, 20, 30, 60, 120)
+_CHECKPOINT_BUCKETS = (0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
+REASONS = ("start", "join", "leave", "drain", "failure", "job", "layout")
 
 
 @dataclass
@@ -62,15 +68,46 @@ class Metrics:
                                      "Recompute share of step time (0-1)", registry=r)
         self.memory = Gauge("ultra_memory_bytes", "Memory per device", ["kind", "source"],
                             registry=r)
+        self.lost_steps = Counter("ultra_lost_steps_total",
+                                  "Steps trained again after a restore (their work was lost)",
+                                  registry=r)
+        self.job_state = Gauge("ultra_job_state", "1 for the job's current state", ["state"],
+                               registry=r)
+        self.checkpoint_step = Gauge("ultra_checkpoint_last_step",
+                                     "Step of the newest durable checkpoint (-1: none)",
+                                     registry=r)
+        self.checkpoint_time = Gauge("ultra_checkpoint_last_timestamp_seconds",
+                                     "Unix time the newest durable checkpoint committed (0: none)",
+                                     registry=r)
+        self.checkpoint_duration = Histogram(
+            "ultra_checkpoint_duration_seconds",
+            "Checkpoint time: save started to manifest written (reported by global rank 0)",
+            ["tier", "op"], buckets=_CHECKPOINT_BUCKETS, registry=r)
         self.build = Info("ultra_build", "Build information", registry=r)
         self.build.info({"version": __version__, "python": platform.python_version()})
+        # process_start_time_seconds: how alerts see an agent that keeps restarting.
+        ProcessCollector(registry=r)
         for dim in ("dp", "tp", "pp", "cp"):
             self.mesh_size.labels(dim=dim).set(0)
-        for reason in ("start", "join", "leave", "drain", "failure", "job"):
+        for reason in REASONS:
             self.membership_changes.labels(reason=reason)
+        self.checkpoint_duration.labels(tier="durable", op="save")
         self.is_leader.set(0)
+        self.observe_job(JobState.NONE, CheckpointRecord())
+        # The generation last observed and the newest step seen in it: what a restore to an
+        # earlier step makes the next generation train again.
+        self._generation, self._last_step = 0, 0
 
-    def observe_plan(self, plan: Plan) -> None:
+    def observe_plan(self, plan: Plan, progress: Progress | None = None) -> None:
+        """A new generation. `progress` is the job's progress recorded in etcd: it covers steps
+        of generations this node took no part in."""
+        last = self._last_step
+        if progress is not None and self._generation <= progress.generation < plan.generation:
+            last = max(last, progress.step)
+        # A new job starts over at step 0: nothing of the old job's progress is lost.
+        if plan.reason != "job" and last > plan.restore.step:
+            self.lost_steps.inc(last - plan.restore.step)
+        self._generation, self._last_step = plan.generation, plan.restore.step
         self.generation.set(plan.generation)
         self.world_size.set(plan.world_size)
         for dim in ("dp", "tp", "pp", "cp"):
@@ -84,6 +121,8 @@ class Metrics:
     def observe_step(self, report: pb.StepReport) -> None:
         """One step, as reported by this node's first local rank."""
         self.steps.inc()
+        if report.generation >= self._generation:  # not a straggler of a replaced generation
+            self._last_step = max(self._last_step, report.step)
         self.tokens.inc(max(0, report.tokens))
         self.loss.set(report.loss)
         self.step_duration.observe(max(0.0, report.step_seconds))
@@ -97,6 +136,18 @@ class Metrics:
             self.recompute_seconds.inc(report.recompute_seconds)
         if report.HasField("recompute_ratio"):
             self.recompute_ratio.set(report.recompute_ratio)
+
+    def observe_job(self, state: JobState, checkpoint: CheckpointRecord) -> None:
+        """The job's state and newest durable checkpoint, as recorded in etcd."""
+        for s in JobState:
+            self.job_state.labels(state=s.value).set(1 if s == state else 0)
+        self.checkpoint_step.set(checkpoint.step)
+        self.checkpoint_time.set(checkpoint.time if checkpoint.step >= 0 else 0)
+
+    def observe_checkpoint(self, report: pb.CheckpointReport) -> None:
+        if report.HasField("seconds"):
+            self.checkpoint_duration.labels(tier="durable", op="save").observe(
+                max(0.0, report.seconds))
 
 
 def serve(metrics: Metrics, host: str, port: int) -> WSGIServer:

@@ -149,6 +149,7 @@ class CheckpointRecord(Record):
     generation: int = 0
     step: int = -1           # -1: none yet
     path: str = ""
+    time: float = 0.0        # wall clock of the writer when it learnt of the commit
 
 
 @dataclass(frozen=True)

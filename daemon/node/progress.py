@@ -60,7 +60,7 @@ class ProgressWriter:
         self._schedule(urgent)
 
     def checkpoint(self, generation: int, step: int, path: str) -> None:
-        self._checkpoint = CheckpointRecord(generation, step, path)
+        self._checkpoint = CheckpointRecord(generation, step, path, time=time.time())
         self._schedule(urgent=True)
 
     def _schedule(self, urgent: bool) -> None:

@@ -88,6 +88,7 @@ def test_requests_take_effect_at_the_first_step_any_rank_saw_them(tmp_path, toke
     assert reported == [(1, 0, 2), (1, 0, 3), (2, 0, 5), (2, 0, 7), (2, 0, 8)]
     for c in agent.requests("ReportCheckpoint"):
         assert c.path == str(tmp_path / "out" / "ckpt" / f"step_{c.step:08d}")
+        assert c.HasField("seconds") and c.seconds > 0  # exported as a checkpoint duration
     assert _checkpoints(tmp_path) == [2, 3, 5, 7, 8]
 
     lines = (tmp_path / "out" / "steps.jsonl").read_text().splitlines()

@@ -1,15 +1,19 @@
-"""ultra_memory_bytes{kind,source}: predicted from the plan, measured from a worker's report."""
+"""The agent's metrics from plans, step and checkpoint reports and etcd's records: memory
+predicted and measured, steps re-run after a restore, job state, newest checkpoint."""
 
 from __future__ import annotations
+
+import dataclasses
 
 import pytest
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from daemon.api.metrics import MEMORY_KINDS, Metrics
+from daemon.control.records import CheckpointRecord, JobState, Progress
 from parallel.job import loads
 from parallel.memory_model import peak_memory
-from parallel.planner import NodeInfo, plan_generation
+from parallel.planner import NodeInfo, Plan, Restore, plan_generation
 from proto.ultrascale.v1 import agent_pb2 as pb
 
 pytestmark = pytest.mark.unit
@@ -52,3 +56,63 @@ def test_memory_gauge_has_the_plans_prediction_and_the_reported_measurement() ->
     for n, kind in enumerate(MEMORY_KINDS, start=1):
         assert samples[(kind, "predicted")] == getattr(predicted, kind) > 0
         assert samples[(kind, "measured")] == 10 * n
+
+
+def _samples(metrics: Metrics) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    text = generate_latest(metrics.registry).decode()
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for fam in text_string_to_metric_families(text) for s in fam.samples}
+
+
+def _plan(generation: int, reason: str, restore_step: int) -> Plan:
+    job = loads(JOB)
+    plan = plan_generation(job, [NodeInfo("a", 2)], generation, ("h", 1))
+    return dataclasses.replace(plan, reason=reason,
+                               restore=Restore("checkpoint" if restore_step else "init",
+                                               restore_step))
+
+
+def test_lost_steps_count_the_steps_a_restore_trains_again() -> None:
+    metrics = Metrics()
+    lost = ("ultra_lost_steps_total", ())
+    metrics.observe_plan(_plan(1, "start", 0), Progress())
+    for step in range(1, 8):
+        metrics.observe_step(pb.StepReport(generation=1, step=step))
+    metrics.observe_plan(_plan(2, "failure", 4), Progress(generation=1, step=6))
+    assert _samples(metrics)[lost] == 3  # steps 5..7 again
+    # A straggling report of generation 1 is not progress of generation 2.
+    metrics.observe_step(pb.StepReport(generation=1, step=7))
+    metrics.observe_step(pb.StepReport(generation=2, step=5))
+    # This node took no part in generation 3; etcd's progress says it reached step 9.
+    metrics.observe_plan(_plan(3, "failure", 5), Progress(generation=2, step=5))
+    metrics.observe_plan(_plan(4, "leave", 8), Progress(generation=3, step=9))
+    assert _samples(metrics)[lost] == 3 + 0 + 1
+    # A planned change restores the step it stopped at; a new job starts over at 0.
+    metrics.observe_plan(_plan(5, "drain", 9), Progress(generation=4, step=9))
+    metrics.observe_plan(_plan(6, "job", 0), Progress(generation=5, step=12))
+    assert _samples(metrics)[lost] == 4
+
+
+def test_job_state_and_newest_checkpoint_come_from_the_records() -> None:
+    metrics = Metrics()
+    samples = _samples(metrics)
+    assert samples[("ultra_job_state", (("state", "none"),))] == 1
+    assert samples[("ultra_checkpoint_last_step", ())] == -1
+    assert samples[("ultra_checkpoint_last_timestamp_seconds", ())] == 0
+    metrics.observe_job(JobState.RUNNING, CheckpointRecord(2, 40, "/c", time=1234.5))
+    samples = _samples(metrics)
+    assert {s.value: samples[("ultra_job_state", (("state", s.value),))] for s in JobState} \
+        == {"none": 0, "pending": 0, "running": 1, "failed": 0, "finished": 0}
+    assert samples[("ultra_checkpoint_last_step", ())] == 40
+    assert samples[("ultra_checkpoint_last_timestamp_seconds", ())] == 1234.5
+
+
+def test_checkpoint_duration_is_observed_from_rank_zeros_report() -> None:
+    metrics = Metrics()
+    labels = (("op", "save"), ("tier", "durable"))
+    assert _samples(metrics)[("ultra_checkpoint_duration_seconds_count", labels)] == 0
+    metrics.observe_checkpoint(pb.CheckpointReport(step=4, path="/c"))  # an older worker
+    metrics.observe_checkpoint(pb.CheckpointReport(step=8, path="/c", seconds=1.5))
+    samples = _samples(metrics)
+    assert samples[("ultra_checkpoint_duration_seconds_count", labels)] == 1
+    assert samples[("ultra_checkpoint_duration_seconds_sum", labels)] == 1.5

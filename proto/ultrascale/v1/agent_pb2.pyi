@@ -308,18 +308,20 @@ class DoneReply(_message.Message):
     def __init__(self) -> None: ...
 
 class CheckpointReport(_message.Message):
-    __slots__ = ("generation", "global_rank", "step", "path", "local_rank")
+    __slots__ = ("generation", "global_rank", "step", "path", "local_rank", "seconds")
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     GLOBAL_RANK_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     PATH_FIELD_NUMBER: _ClassVar[int]
     LOCAL_RANK_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_FIELD_NUMBER: _ClassVar[int]
     generation: int
     global_rank: int
     step: int
     path: str
     local_rank: int
-    def __init__(self, generation: _Optional[int] = ..., global_rank: _Optional[int] = ..., step: _Optional[int] = ..., path: _Optional[str] = ..., local_rank: _Optional[int] = ...) -> None: ...
+    seconds: float
+    def __init__(self, generation: _Optional[int] = ..., global_rank: _Optional[int] = ..., step: _Optional[int] = ..., path: _Optional[str] = ..., local_rank: _Optional[int] = ..., seconds: _Optional[float] = ...) -> None: ...
 
 class CheckpointReportReply(_message.Message):
     __slots__ = ()
