@@ -94,9 +94,11 @@ class Agent:
         self.view.subscribe(self._on_view)
         await self.etcd.connect()
         spawn = self.tasks.spawn
-        # A leader hosts c10d stores: import torch.distributed in the background now rather
-        # than inside the first generation change (the import takes seconds).
-        spawn(asyncio.to_thread(StoreHost.preload), "preload-torch", long_lived=False)
+        if cfg.workers:
+            # A leader hosts c10d stores: import torch.distributed in the background now rather
+            # than inside the first generation change (the import takes seconds). Agents
+            # without workers (control plane only) import it when they first lead.
+            spawn(StoreHost.preload(), "preload-torch", long_lived=False)
         spawn(self.view.run(), "view")
         spawn(self.membership.run(), "membership")
         spawn(self._leadership(), "leadership")
