@@ -129,6 +129,7 @@ class Agent:
         """Leave cleanly: workers first, then the lease (peers re-plan at once), then servers.
         Safe after a partial start and when called twice."""
         self.stopping.set()
+        self.tasks.closing()
         if self.supervisor is not None:
             await self.supervisor.stop(grace=self.config.ttl)
         if self.membership is not None:

@@ -51,6 +51,9 @@ class Notifier:
         message = "\n".join(assignments).encode()
         try:
             with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC) as sock:
+                # Never block: a receiver that stopped reading (its queue holds only a few
+                # datagrams) would otherwise stall the event loop, and with it the shutdown.
+                sock.setblocking(False)
                 sock.sendto(message, self.address)
         except OSError as exc:
             log.warning("sd_notify to %r failed: %s", self.address, exc)
