@@ -100,9 +100,11 @@ class Agent:
         self.view.subscribe(self._on_view)
         await self.etcd.connect()
         spawn = self.tasks.spawn
-        # A leader hosts c10d stores: import torch.distributed in the background now rather
-        # than inside the first generation change (the import takes seconds).
-        spawn(asyncio.to_thread(StoreHost.preload), "preload-torch", long_lived=False)
+        if cfg.workers:
+            # A leader hosts c10d stores: import torch.distributed in the background now rather
+            # than inside the first generation change (the import takes seconds). Agents
+            # without workers (control plane only) import it when they first lead.
+            spawn(StoreHost.preload(), "preload-torch", long_lived=False)
         spawn(self.view.run(), "view")
         spawn(self.membership.run(), "membership")
         spawn(self._leadership(), "leadership")
@@ -136,6 +138,7 @@ class Agent:
         """Leave cleanly: workers first, then the lease (peers re-plan at once), then servers.
         Safe after a partial start and when called twice."""
         self.stopping.set()
+        self.tasks.closing()
         if self.supervisor is not None:
             await self.supervisor.stop(grace=self.config.ttl)
         if self.membership is not None:

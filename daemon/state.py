@@ -39,7 +39,11 @@ class StateMachine:
                  ) -> None:
         self.state = AgentState.JOINING
         self.since = time.monotonic()
-        self._on_change = on_change
+        self._listeners = [on_change] if on_change else []
+
+    def subscribe(self, listener: Callable[[AgentState, AgentState, str], None]) -> None:
+        """`listener(old, new, reason)` after each transition; it must not block."""
+        self._listeners.append(listener)
 
     def to(self, new: AgentState, reason: str) -> bool:
         """Move to `new`; False (and nothing logged) when already there."""
@@ -51,6 +55,6 @@ class StateMachine:
             log.error("unexpected agent transition %s -> %s (%s)", old.value, new.value, reason)
         log.info("agent %s -> %s: %s", old.value, new.value, reason)
         self.state, self.since = new, time.monotonic()
-        if self._on_change:
-            self._on_change(old, new, reason)
+        for listener in self._listeners:
+            listener(old, new, reason)
         return True

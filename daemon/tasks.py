@@ -9,7 +9,6 @@ Kubernetes restarts it and its lease lapses.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import random
 from collections.abc import Coroutine
@@ -76,12 +75,30 @@ class TaskSupervisor:
             self.failure = message
             self.failed.set()
 
-    async def close(self) -> None:
-        """Cancel every task and wait for them (safe to call more than once)."""
+    def closing(self) -> None:
+        """From now on a task that ends is part of the shutdown, not a failure."""
         self._closing = True
-        tasks = list(self._tasks)
-        for task in tasks:
-            task.cancel()
-        for task in tasks:
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await task
+
+    async def close(self, timeout: float = 5.0) -> None:
+        """Cancel every task and wait for them (safe to call more than once).
+
+        The cancellation is repeated until each task is gone: Python 3.11's `asyncio.wait_for`
+        can swallow a cancellation that arrives as its inner wait completes, and a loop that
+        then goes on waiting (for a lease that `leave()` just dropped) would keep the agent
+        alive, silent, until systemd or the kubelet SIGKILLs it.
+        """
+        self._closing = True
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        pending = set(self._tasks)
+        while pending:
+            for task in pending:
+                task.cancel()
+            done, pending = await asyncio.wait(pending, timeout=0.1)
+            for task in done:
+                if not task.cancelled():
+                    task.exception()  # retrieved: the shutdown does not report it
+            if pending and loop.time() > deadline:
+                log.error("tasks still running after %.0fs of cancellation: %s", timeout,
+                          ", ".join(sorted(t.get_name() for t in pending)))
+                return

@@ -8,7 +8,8 @@
 
 Every flag falls back to an `ULTRA_<FLAG>` environment variable (e.g. ULTRA_NODE_ID), then to
 the TOML file given by --config (keys as the flags, with underscores), then to its default.
-Exit codes: 0 clean stop, 1 failure, 2 usage.
+Exit codes: 0 clean stop, 1 failure, 2 usage. SIGTERM drains a running job first (leave at a
+step boundary after a checkpoint); SIGINT, or a second SIGTERM, stops at once (docs/systemd.md).
 """
 
 from __future__ import annotations
@@ -17,7 +18,6 @@ import argparse
 import asyncio
 import logging
 import os
-import signal
 import socket
 import sys
 from pathlib import Path
@@ -204,17 +204,9 @@ def _etcd_security(opts: dict[str, Any]) -> Any:
 
 
 async def run_agent(config: Any) -> int:
-    from daemon.agent import Agent
+    from daemon.service import Service
 
-    agent = Agent(config)
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, agent.stopping.set)
-    try:
-        await agent.start()
-        return await agent.serve_forever()
-    finally:
-        await agent.stop()
+    return await Service(config).run()
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -18,7 +18,8 @@ The rules (docs/architecture.md, "Failure handling"):
 - A planned change (join, drain, cordon, a new job, a new layout) first asks the running generation to stop
   at a step boundary the workers agree on, with a checkpoint, and only then writes the next
   (at once when the running generation has not committed a step yet).
-- When no layout fits the ready nodes, the job is `pending` with the planner's reason.
+- When no layout fits the ready nodes, the job is `pending` with the planner's reason; if that
+  is because members of the running generation drain, it still stops at a boundary first.
 """
 
 from __future__ import annotations
@@ -130,6 +131,7 @@ class _Decider:
             return self._after_failure()
         candidate = self._candidate()
         if candidate is None:
+            self._stop_for_drain()
             return self._finish()
         if plan is None:
             self._start(candidate, "start")
@@ -189,6 +191,8 @@ class _Decider:
     def _members_present(self, plan: Plan) -> bool:
         """False while a missing member's fate is unknown (the caller waits)."""
         s = self.s
+        if s.progress.generation == plan.generation and s.progress.stopped:
+            return True  # stopped at a boundary, checkpointed: a member leaving loses nothing
         lost: list[str] = []
         unprobed: list[str] = []
         reattaching = False
@@ -288,6 +292,17 @@ class _Decider:
             # A new world without the culprit: its count starts again.
             self.status = dataclasses.replace(self.status, failures=())
         return self._finish()
+
+    def _stop_for_drain(self) -> None:
+        """No layout fits without the draining nodes: still stop the running generation at a
+        boundary, with a checkpoint, so they can leave without losing a step (the job then
+        waits, pending, for nodes)."""
+        plan, p, d = self.plan, self.s.progress, self.directive
+        if plan is None or d.stop or p.generation != plan.generation or p.stopped:
+            return
+        members = self.s.members
+        if any(n in members and members[n].state == NodeState.DRAINING for n in plan.nodes):
+            self.directive = dataclasses.replace(d, stop=True, reason="drain", time=self.s.now)
 
     def _planned_change(self, candidate: Plan) -> None:
         plan, d, s = self.plan, self.directive, self.s

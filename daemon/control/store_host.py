@@ -4,12 +4,49 @@ A store outlives any worker, so a failing worker never takes the rendezvous down
 a fresh port per generation keeps a straggler of the old generation from ever reaching the new
 one (docs/architecture.md, "Generations"). torch is imported in a thread when the agent starts
 (`preload`), so the first generation change does not wait for it.
+
+Both the import and the store's start run in daemon threads, not in asyncio's default executor:
+`asyncio.run` joins the executor's threads when the loop closes, so an agent told to stop
+while torch was still importing (tens of seconds with many agents starting on one machine)
+stayed alive, silent, until the import ended, and systemd or Kubernetes then SIGKILLed it.
 """
 
 from __future__ import annotations
 
 import asyncio
-from typing import Any
+import contextlib
+import threading
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+T = TypeVar("T")
+
+
+def in_daemon_thread(fn: Callable[[], T], name: str) -> asyncio.Future[T]:
+    """`fn()` in a daemon thread, as a future of the running loop; exit never waits for it."""
+    loop = asyncio.get_running_loop()
+    future: asyncio.Future[T] = loop.create_future()
+
+    def settle(result: Any, error: BaseException | None) -> None:
+        if future.done():  # cancelled meanwhile
+            return
+        if error is not None:
+            future.set_exception(error)
+        else:
+            future.set_result(result)
+
+    def run() -> None:
+        result: Any = None
+        error: BaseException | None = None
+        try:
+            result = fn()
+        except BaseException as exc:  # noqa: BLE001 - handed to the awaiting coroutine
+            error = exc
+        with contextlib.suppress(RuntimeError):  # the loop closed: nobody waits any more
+            loop.call_soon_threadsafe(settle, result, error)
+
+    threading.Thread(target=run, name=name, daemon=True).start()
+    return future
 
 
 class StoreHost:
@@ -20,7 +57,7 @@ class StoreHost:
 
     async def open(self, generation: int) -> int:
         """Start the store of `generation` on a fresh port; returns the port."""
-        store = await asyncio.to_thread(self._start)
+        store = await in_daemon_thread(self._start, f"store-{generation}")
         self._stores[generation] = store
         # Keep the previous generation's store a while: its workers may still be leaving.
         for old in sorted(self._stores)[:-self.keep]:
@@ -28,9 +65,9 @@ class StoreHost:
         return int(store.port)
 
     @staticmethod
-    def preload() -> None:
+    async def preload() -> None:
         """Import torch.distributed (slow) ahead of the first generation."""
-        import torch.distributed  # noqa: F401
+        await in_daemon_thread(_import_torch_distributed, "preload-torch")
 
     def _start(self) -> Any:
         from torch.distributed import TCPStore
@@ -39,3 +76,7 @@ class StoreHost:
 
     def close(self) -> None:
         self._stores.clear()
+
+
+def _import_torch_distributed() -> None:
+    import torch.distributed  # noqa: F401

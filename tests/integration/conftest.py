@@ -83,7 +83,8 @@ class Cluster:
     agents: dict[str, AgentProc] = field(default_factory=dict)
     job_ns: str = "test"
 
-    def start(self, node: str, devices: int = 1, *extra: str) -> AgentProc:
+    def start(self, node: str, devices: int = 1, *extra: str,
+              env: dict[str, str] | None = None) -> AgentProc:
         state = self.root / node
         state.mkdir(parents=True, exist_ok=True)
         (state / "agent.json").unlink(missing_ok=True)
@@ -94,7 +95,8 @@ class Cluster:
                 "--no-workers", "--log-level", "debug", *extra]
         with (state / "ultrad.log").open("ab") as log:
             proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT,
-                                    env={**os.environ, "PYTHONPATH": str(ROOT), **parent_death_env()})
+                                    env={**os.environ, "PYTHONPATH": str(ROOT), **parent_death_env(),
+                                         **(env or {})})
         agent = AgentProc(node, proc, state)
         self.agents[node] = agent
         info = wait_until(lambda: (state / "agent.json").exists() or proc.poll() is not None,

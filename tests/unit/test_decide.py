@@ -265,6 +265,31 @@ def test_drain_takes_the_same_planned_path() -> None:
     assert start.reason == "drain" and start.plan.nodes == ("a", "c")
 
 
+def test_a_drain_that_leaves_no_layout_still_stops_at_a_boundary() -> None:
+    # The only node drains (SIGTERM): no next generation fits, but the running one must still
+    # stop at a step boundary with a checkpoint so the node can leave without losing a step.
+    members = {"a": MemberInfo(1, NodeState.DRAINING)}
+    d = decide(snap(("a",), members=members))
+    none_of(d, StartGeneration)
+    directive = only(d, SetDirective).directive
+    assert directive.stop and directive.reason == "drain"
+    assert only(d, SetStatus).status.state == JobState.PENDING
+    # Once it stopped, the drained node leaving is no failure: the job waits for nodes.
+    stopped = snap(("a",), members={}, progress=Progress(generation=1, step=40, stopped=True),
+                   directive=directive)
+    d = decide(stopped)
+    none_of(d, StartGeneration, ProbeNodes)
+    status = only(d, SetStatus).status
+    assert status.state == JobState.PENDING and status.failures == ()
+
+
+def test_no_layout_without_a_draining_node_and_no_step_committed_stops_nothing() -> None:
+    members = {"a": MemberInfo(1, NodeState.DRAINING)}
+    d = decide(snap(("a",), members=members, generation=2,
+                    progress=Progress(generation=1, step=40, stopped=True)))
+    none_of(d, SetDirective, StartGeneration)
+
+
 def test_a_cordoned_member_keeps_its_place_in_the_running_generation() -> None:
     members = {"a": MemberInfo(1), "b": MemberInfo(1, NodeState.CORDONED), "c": MemberInfo(1)}
     assert decide(snap(members=members)) == Decision()

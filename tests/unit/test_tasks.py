@@ -151,3 +151,26 @@ def test_close_waits_for_a_task_that_cleans_up() -> None:
 
     asyncio.run(main())
     assert cleaned == ["done"]
+
+
+def test_close_ends_a_task_that_swallowed_its_cancellation() -> None:
+    # What Python 3.11's asyncio.wait_for does when a cancellation meets its inner wait's
+    # completion: the CancelledError is lost and the loop goes on to wait for something else.
+    swallowed: list[str] = []
+
+    async def stubborn() -> None:
+        try:
+            await asyncio.sleep(3600)
+        except asyncio.CancelledError:
+            swallowed.append("once")
+        await asyncio.Event().wait()  # forever, unless cancelled again
+
+    async def main() -> bool:
+        sup = TaskSupervisor()
+        task = sup.spawn(stubborn(), "stubborn")
+        await _settle()
+        await sup.close()
+        return task.cancelled()
+
+    assert asyncio.run(main())
+    assert swallowed == ["once"]
