@@ -12,7 +12,6 @@ import asyncio
 import contextlib
 import logging
 import os
-import random
 import time
 
 from daemon import __version__
@@ -27,6 +26,7 @@ from daemon.control.job_submit import offer_job_file
 from daemon.control.keys import Keys
 from daemon.control.leader import Leader
 from daemon.control.membership import Membership
+from daemon.control.outage import outage_check, publish_etcd_health
 from daemon.control.records import (
     ControlOp,
     ControlRequest,
@@ -110,7 +110,9 @@ class Agent:
         spawn(self._leadership(), "leadership")
         spawn(self._follower(), "follower")
         spawn(self.progress.run(), "progress")
-        spawn(self._etcd_health(), "etcd-health")
+        spawn(publish_etcd_health(
+            self.io, lambda: self.membership is not None and self.membership.etcd_ok),
+            "etcd-health")
         if cfg.job_file is not None:
             spawn(offer_job_file(self.etcd, self.keys, cfg.job_file, cfg.ttl), "job-file",
                   long_lived=False)
@@ -207,31 +209,9 @@ class Agent:
             await self.supervisor.kill_all()
 
     async def _outage_check(self) -> str | None:
-        """None when every other member is cut off from etcd too; else why this node must fence.
-
-        A few random peers are asked first: when etcd is fine for them (the common case: only
-        our own acknowledgements are late) one answer settles it, and N agents whose loops lag
-        at once do not flood each other with N² calls. Only if they are all cut off too is
-        everyone asked, since holding on needs every peer's word.
-        """
-        peers = [(name, m.record.address) for name, m in self.view.nodes.items()
-                 if name != self.node_id]
-        random.shuffle(peers)
-        for batch in (peers[:3], peers[3:]):
-            answers = await asyncio.gather(*(self.io.etcd_health(a) for _, a in batch))
-            for (node, _), answer in zip(batch, answers, strict=True):
-                if answer is None:
-                    return f"{node} did not answer"
-                if answer:
-                    return f"{node} still reaches etcd"
-        return None
-
-    async def _etcd_health(self) -> None:
-        """Publish whether our keepalives are acknowledged, for peers' outage checks."""
-        while True:
-            m = self.membership
-            await self.io.set_etcd_health(m is not None and m.etcd_ok)
-            await asyncio.sleep(0.1)
+        return await outage_check(self.io, [(name, m.record.address)
+                                            for name, m in self.view.nodes.items()
+                                            if name != self.node_id])
 
     # -- generations ----------------------------------------------------------------------------
 
