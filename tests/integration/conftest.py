@@ -48,6 +48,21 @@ def wait_until(predicate: Callable[[], T], timeout: float, what: str,
         time.sleep(interval)
 
 
+def wait_for_members(cluster: Any, token: str, count: int, timeout: float = 60) -> None:
+    """Wait until a `LocalCluster`'s agents see `count` ready members.
+
+    Submit a job only after this when a test counts generations: a node that registers after
+    the first plan joins in a generation of its own (correctly, but it shifts the numbers).
+    """
+    from daemon.cli.local import _call
+
+    def ready() -> int:
+        reply = _call(cluster, token, "ListNodes", pb.ListNodesRequest())
+        return sum(node.state == "ready" for node in reply.nodes)
+
+    wait_until(lambda: ready() == count, timeout, f"{count} ready members")
+
+
 def etcd_call(endpoint: str, fn: Callable[[Etcd], Any]) -> Any:
     """Run `await fn(client)` against etcd with a fresh client (tests are synchronous)."""
     async def go() -> Any:

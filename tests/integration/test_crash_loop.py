@@ -19,7 +19,7 @@ import pytest
 from daemon.cli.local import LocalCluster, _call
 from proto.ultrascale.v1 import agent_pb2 as pb
 from tests.conftest import small_job_text
-from tests.integration.conftest import ROOT, wait_until
+from tests.integration.conftest import ROOT, wait_for_members, wait_until
 from tests.integration.test_training_recovery import committed_steps, worker_pids
 from tests.processes import running
 
@@ -51,6 +51,7 @@ def test_same_step_failure_ends_the_job_failed(failing_cluster: LocalCluster, to
         fault={"max_failures": MAX_FAILURES, "backoff_s": 0.5})
     output = tmp_path / "output"
     token = cluster.token_file.read_text().strip()
+    wait_for_members(cluster, token, 2)  # so that generation 1 is the first attempt
     _call(cluster, token, "SubmitJob",
           pb.SubmitJobRequest(spec_toml=job_text, overrides=[f'job.output_dir="{output}"']))
 
@@ -64,11 +65,11 @@ def test_same_step_failure_ends_the_job_failed(failing_cluster: LocalCluster, to
     assert f"injected fault at step {FAIL_AT}" in final["reason"], final
     # Exactly `max_failures` worlds tried: the first, then one retry per failure but the last.
     plan = json.loads(ctl(cluster, "plan", "-o", "json").stdout)
-    assert plan["generation"] == MAX_FAILURES, plan
+    events = ctl(cluster, "events").stdout
+    assert plan["generation"] == MAX_FAILURES, events
     assert plan["state"] == "failed"
     # Steps after the failing one were never committed; the ones before were, once each.
     assert max(committed_steps(output / "steps.jsonl")) == FAIL_AT - 1
-    events = ctl(cluster, "events").stdout
     assert "job failed" in events and f"injected fault at step {FAIL_AT}" in events, events
     # It stays failed: no new generation is written, and the workers have exited.
     wait_until(lambda: not any(worker_pids(p.pid) for p in cluster.agents.values()), 20,

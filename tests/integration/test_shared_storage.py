@@ -17,7 +17,7 @@ import pytest
 from daemon.cli.local import LocalCluster, _call
 from proto.ultrascale.v1 import agent_pb2 as pb
 from tests.conftest import small_job_text
-from tests.integration.conftest import wait_until
+from tests.integration.conftest import wait_for_members, wait_until
 from tests.processes import running
 
 pytestmark = pytest.mark.integration
@@ -43,16 +43,7 @@ def test_unshared_checkpoint_dir_fails_the_job_naming_the_node(tmp_path: Path,
     with running(LocalCluster(tmp_path / "state", nodes=2, devices_per_node=1, ttl=2,
                               launch_prefix={"node-1": private})) as cluster:
         token = cluster.token_file.read_text().strip()
-
-        def ready_nodes() -> int:
-            reply = _call(cluster, token, "ListNodes", pb.ListNodesRequest())
-            assert isinstance(reply, pb.ListNodesResponse)
-            return sum(node.state == "ready" for node in reply.nodes)
-
-        # Both nodes must be members before the job is submitted: a node that registers after
-        # the first plan joins in a generation of its own, and the failure then comes in that
-        # second generation (correctly, but it would hide a retry from the assertion below).
-        wait_until(lambda: ready_nodes() == 2, 60, "both nodes ready")
+        wait_for_members(cluster, token, 2)  # so that the first generation has both
         job = small_job_text(token_file, train={"steps": 8},
                              checkpoint={"dir": "ckpt", "every": 2})
         _call(cluster, token, "SubmitJob",
