@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import urllib.request
+from typing import Any
 
 import grpc
 import pytest
@@ -12,7 +13,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from proto.ultrascale.v1 import agent_pb2 as pb
 from proto.ultrascale.v1 import agent_pb2_grpc as pb_grpc
-from tests.integration.conftest import Cluster, etcd_call
+from tests.integration.conftest import TTL, Cluster, etcd_call, wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -91,31 +92,39 @@ def test_unknown_node_in_drain_is_a_clear_error(shared_cluster: Cluster) -> None
     assert "unknown node 'no-such-node'" in result.stderr and "n1" in result.stderr
 
 
+def _samples(agent: Any) -> dict[str, float]:
+    text = urllib.request.urlopen(agent.info["metrics_url"], timeout=5).read().decode()
+    return {s.name + json.dumps(s.labels, sort_keys=True): s.value
+            for fam in text_string_to_metric_families(text) for s in fam.samples}
+
+
 def test_metrics_parse_and_agree_with_the_plan(shared_cluster: Cluster) -> None:
     c = shared_cluster
     generation = c.status().generation
-    leaders = 0.0
     for agent in c.agents.values():
-        text = urllib.request.urlopen(agent.info["metrics_url"], timeout=5).read().decode()
-        samples = {s.name + json.dumps(s.labels, sort_keys=True): s.value
-                   for fam in text_string_to_metric_families(text) for s in fam.samples}
+        samples = _samples(agent)
         names = {k.split("{")[0] for k in samples}
         for metric in ("ultra_train_steps_total", "ultra_train_tokens_total", "ultra_train_loss",
                        "ultra_train_step_duration_seconds_count", "ultra_world_size",
                        "ultra_generation", "ultra_membership_changes_total",
                        "ultra_recovery_duration_seconds_count", "ultra_agent_is_leader",
-                       "ultra_build_info", "ultra_pipeline_bubble_ratio",
-                       "ultra_recompute_seconds_total", "ultra_recompute_ratio"):
-            if metric != "ultra_pipeline_bubble_ratio":
-                assert metric in names, metric
+                       "ultra_build_info", "ultra_recompute_seconds_total",
+                       "ultra_recompute_ratio"):
+            assert metric in names, metric
         assert samples["ultra_generation{}"] == generation
         assert samples["ultra_world_size{}"] == 3
         assert samples['ultra_mesh_size{"dim": "dp"}'] == 3
         changes = sum(v for k, v in samples.items()
                       if k.startswith("ultra_membership_changes_total"))
         assert changes >= 1
-        leaders += samples["ultra_agent_is_leader{}"]
-    assert leaders == 1
+
+    # The agents are read one after another: a leadership change between two reads (a 2 s
+    # lease lapsing on a loaded machine) shows 0 or 2 leaders for a moment. What must hold is
+    # that the agents settle on exactly one.
+    def one_leader() -> bool:
+        return sum(_samples(a)["ultra_agent_is_leader{}"] for a in c.agents.values()) == 1
+
+    wait_until(one_leader, 3 * TTL, "exactly one agent reporting ultra_agent_is_leader 1")
 
 
 def test_events_tell_the_story(shared_cluster: Cluster) -> None:
