@@ -92,8 +92,11 @@ class Leader:
         while self.election.is_leader:
             timeout = self.ttl if wake_at is None else max(0.0, min(self.ttl,
                                                                     wake_at - time.time()))
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), timeout)
+            # asyncio.timeout, not wait_for: 3.11's wait_for can lose a cancellation that
+            # arrives as the wait completes, and this loop would then never end.
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(timeout):
+                    await self._wake.wait()
             held = self.view.leader
             # A newer leader key than ours means we lost it; an older one is just watch lag.
             if held is not None and held[1] > self.election.token:

@@ -78,8 +78,9 @@ class ClusterView:
         """Wait until `predicate()` holds on the view; False on timeout."""
         async with self._changed:
             try:
-                await asyncio.wait_for(self._changed.wait_for(predicate), timeout)
-            except asyncio.TimeoutError:
+                async with asyncio.timeout(timeout):  # never loses a cancellation (wait_for can)
+                    await self._changed.wait_for(predicate)
+            except TimeoutError:
                 return False
         return True
 

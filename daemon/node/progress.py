@@ -75,8 +75,9 @@ class ProgressWriter:
             if not self._urgent.is_set():
                 wait = self._written_at + self.interval - time.monotonic()
                 if wait > 0:
-                    with contextlib.suppress(asyncio.TimeoutError):
-                        await asyncio.wait_for(self._urgent.wait(), wait)
+                    with contextlib.suppress(TimeoutError):
+                        async with asyncio.timeout(wait):  # keeps cancellations (wait_for may not)
+                            await self._urgent.wait()
             self._pending.clear()
             self._urgent.clear()
             progress, checkpoint = self._progress, self._checkpoint
