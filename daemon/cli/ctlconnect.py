@@ -49,6 +49,10 @@ class TargetError(ValueError):
 class Unreachable(ConnectionError):
     """No agent could be reached: the request was not sent."""
 
+    def __init__(self, message: str, refused: bool = False) -> None:
+        super().__init__(message)
+        self.refused = refused  # every connection failed, rather than none answering in time
+
 
 @dataclass(frozen=True)
 class TLSFiles:
@@ -160,7 +164,7 @@ class Agents:
                 at = ", ".join(self.target.endpoints)
                 if not live:
                     why = "every agent was unavailable" if skip else "every connection failed"
-                    raise Unreachable(f"cannot reach any agent at {at} ({why})")
+                    raise Unreachable(f"cannot reach any agent at {at} ({why})", refused=not skip)
                 if now >= deadline:
                     raise Unreachable(f"cannot reach any agent at {at} (none ready within "
                                       f"{self._connect_timeout:g}s)")
@@ -177,7 +181,13 @@ class Agents:
     def _call(self, method: str, request: Any, **kwargs: Any) -> Any:
         skip: set[int] = set()
         while True:
-            i = self._pick(skip)
+            try:
+                i = self._pick(skip)
+            except Unreachable as exc:
+                if not exc.refused:
+                    raise
+                raise Unreachable(f"{exc}; {self.target.endpoints[0]}: {self._why_failed(0)}",
+                                  refused=True) from None
             stub = pb_grpc.AgentStub(self._channels[i])
             try:
                 reply = getattr(stub, method)(request, **kwargs)
@@ -192,6 +202,19 @@ class Agents:
                 raise
             self._discover(i)
             return reply
+
+    def _why_failed(self, i: int) -> str:
+        """gRPC's account of a failed connection (refused, TLS handshake, ...).
+
+        The channel keeps its last connection error only for calls, so this sends one read,
+        which cannot change anything even if the agent has come back meanwhile.
+        """
+        try:
+            pb_grpc.AgentStub(self._channels[i]).GetStatus(
+                pb.GetStatusRequest(), timeout=self._connect_timeout, metadata=self.metadata)
+        except grpc.RpcError as exc:
+            return f"{exc.code().name}: {exc.details()}"  # type: ignore[attr-defined]
+        return "answered on a second try"
 
     def _discover(self, i: int) -> None:
         """Record the members' addresses in the context, once per command."""

@@ -38,6 +38,7 @@ from tests.integration.conftest import (
     etcd_call,
     wait_until,
 )
+from tests.pki import make_ca
 
 pytestmark = pytest.mark.integration
 
@@ -64,8 +65,19 @@ def test_unit_verifies(tmp_path: Path) -> None:
         assert line in text, line
 
 
-def test_example_agent_config_is_valid() -> None:
-    config = UNIT.with_name("agent.toml")
+def test_example_agent_config_is_valid(tmp_path: Path) -> None:
+    # The example as shipped, with its /etc/ultrad/tls paths pointing at real test PEM files:
+    # ultrad reads each one at start and names the flag of any it cannot use.
+    ca = make_ca(tmp_path / "pki", "example")
+    agent_pair = ca.issue("agent")
+    paths = {"/etc/ultrad/tls/agent.crt": agent_pair.cert, "/etc/ultrad/tls/agent.key":
+             agent_pair.key, "/etc/ultrad/tls/ca.crt": ca.cert}
+    text = UNIT.with_name("agent.toml").read_text()
+    for shipped, real in paths.items():
+        assert f'"{shipped}"' in text, shipped
+        text = text.replace(f'"{shipped}"', f'"{real}"')
+    config = tmp_path / "agent.toml"
+    config.write_text(text)
     opts = resolve_options(ultrad_parser().parse_args(["--config", str(config)]), {})
     agent = build_config(opts)
     assert agent.devices == 8 and agent.tls is not None and agent.ttl == 5

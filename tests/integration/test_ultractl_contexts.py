@@ -139,6 +139,7 @@ def test_flags_after_the_command_and_flag_over_env_over_context(shared_cluster: 
     # The token: a wrong one from the environment is refused (exit 1), the flag's is used.
     wrong = tmp_path / "wrong"
     wrong.write_text("nope\n")
+    wrong.chmod(0o600)
     refused = ultractl(config, "status", ULTRA_ENDPOINT=live, ULTRA_TOKEN_FILE=str(wrong))
     assert refused.returncode == 1 and "UNAUTHENTICATED" in refused.stderr
     assert ultractl(config, "status", "--token-file", token, ULTRA_ENDPOINT=live,
