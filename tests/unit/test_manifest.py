@@ -130,7 +130,7 @@ def test_step_in_manifest_must_match_directory(tmp_path: Path) -> None:
         (lambda doc: doc.update(step=True), "'step' must be a non-negative integer"),
         (lambda doc: doc.update(layout=[]), "'layout' must be dict"),
         (lambda doc: doc["files"][1].update(size=-1), r"'files\[1\]\.size' must be a non-neg"),
-        (lambda doc: doc["files"][2].pop("sha256"), r"'files\[2\]\.sha256' is missing"),
+        (lambda doc: doc["files"][2].pop("crc32c"), r"'files\[2\]\.crc32c' is missing"),
         (lambda doc: doc["files"][0].update(path="../x"), r"'files\[0\]\.path' must be a plain"),
         (lambda doc: doc.update(version=99), "'version' is 99"),
     ],
