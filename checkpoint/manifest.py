@@ -118,7 +118,7 @@ def write_manifest(
     if files is None:
         files = tuple(_describe(ckpt_dir, rel, scheme) for rel in rel_paths)
     else:
-        files = _check_reported(ckpt_dir, rel_paths, files, scheme)
+        files = _check_reported(ckpt_dir, files, scheme)
     for sub in subdirs:
         _fsync_dir(sub)
     manifest = Manifest(
@@ -166,19 +166,22 @@ def _describe(ckpt_dir: Path, rel: str, scheme: Scheme) -> FileEntry:
 
 
 def _check_reported(
-    ckpt_dir: Path, rel_paths: list[str], files: Sequence[FileEntry], scheme: Scheme
+    ckpt_dir: Path, files: Sequence[FileEntry], scheme: Scheme
 ) -> tuple[FileEntry, ...]:
-    """The writers' entries, sorted, if they describe exactly the files on disk (by stat only):
-    a file no writer reported would otherwise go unchecked forever."""
+    """The writers' entries, sorted, once each file's size on disk (stat only) agrees.
+
+    Files on disk that no writer reported are left out: they are leftovers of an earlier save
+    into the same step directory (a run resumed from an older checkpoint saves this step again),
+    which this save's `.metadata` never points at; a load that tried to read one would fail
+    verification, as the file is not in the manifest.
+    """
     by_path = {f.path: f for f in files}
-    where = ckpt_dir.name
-    for rel in rel_paths:
-        if rel not in by_path:
-            raise CheckpointInvalid(f"{where}/{rel}: on disk but no writer reported its checksum")
     for entry in files:
         _check_size(ckpt_dir, entry)
         if len(entry.digests) != scheme.block_count(entry.size):
-            raise CheckpointInvalid(f"{where}/{entry.path}: reported digests do not match its size")
+            raise CheckpointInvalid(
+                f"{ckpt_dir.name}/{entry.path}: reported digests do not match its size"
+            )
     return tuple(sorted(by_path.values(), key=lambda f: f.path))
 
 
@@ -323,7 +326,7 @@ def _parse(doc: Any, where: str) -> Manifest:
     scheme = LEGACY if version == 1 else _parse_scheme(doc, where)
     files_raw = _get(doc, "files", list, where)
     files = tuple(
-        _parse_entry(item, f"files[{i}]", where, scheme) for i, item in enumerate(files_raw)
+        _parse_entry(item, f"files[{i}]", where, scheme, version) for i, item in enumerate(files_raw)
     )
     seen: set[str] = set()
     for i, entry in enumerate(files):
@@ -352,7 +355,7 @@ def _parse_scheme(doc: dict[str, Any], where: str) -> Scheme:
         raise _malformed(where, f"field 'checksum': {e}") from e
 
 
-def _parse_entry(item: Any, name: str, where: str, scheme: Scheme) -> FileEntry:
+def _parse_entry(item: Any, name: str, where: str, scheme: Scheme, version: int) -> FileEntry:
     if not isinstance(item, dict):
         raise _malformed(where, f"field '{name}' must be an object (got {item!r})")
     path = _get(item, "path", str, where, prefix=name)
@@ -362,7 +365,7 @@ def _parse_entry(item: Any, name: str, where: str, scheme: Scheme) -> FileEntry:
         raise _malformed(where, f"field '{name}.path' must be a plain relative path (got {path!r})")
     size = _get_count(item, "size", where, prefix=name)
     algo, width = scheme.algorithm, scheme.digest_hex
-    if scheme == LEGACY:
+    if version == 1:
         digests: Any = (_get(item, SHA256, str, where, prefix=name),)
     else:
         digests = _get(item, algo, list, where, prefix=name)

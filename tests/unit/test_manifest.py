@@ -244,19 +244,21 @@ def test_blocks_name_where_the_damage_is(tmp_path: Path) -> None:
         verify(path)
 
 
-def test_reported_checksums_must_cover_every_file(tmp_path: Path) -> None:
+def test_reported_checksums_are_checked_against_sizes_and_leave_out_stale_files(
+    tmp_path: Path,
+) -> None:
     from checkpoint.manifest import FileEntry
 
     path = fake_dcp_checkpoint(tmp_path, 12, commit=False)
-    entries = [read_entry for read_entry in _entries(path) if read_entry.path != SHARD]
-    with pytest.raises(CheckpointInvalid, match=r"step_00000012/__1_0\.distcp: on disk but no writer"):
-        write_manifest(path, step=12, consumed_samples=0, layout=LAYOUT, files=entries)
-    wrong_size = [*entries, FileEntry(SHARD, 5, ("00000000",))]
+    entries = _entries(path)
+    wrong_size = [e for e in entries if e.path != SHARD] + [FileEntry(SHARD, 5, ("00000000",))]
     with pytest.raises(CheckpointInvalid, match=r"__1_0\.distcp: size 6000 != 5 in manifest"):
         write_manifest(path, step=12, consumed_samples=0, layout=LAYOUT, files=wrong_size)
     assert not (path / MANIFEST_NAME).exists()
-    write_manifest(path, step=12, consumed_samples=0, layout=LAYOUT, files=_entries(path))
-    assert verify(path).files == tuple(_entries(path))
+    # A file from an earlier save into the same directory, which this save did not write.
+    (path / "__3_0.distcp").write_bytes(b"stale")
+    write_manifest(path, step=12, consumed_samples=0, layout=LAYOUT, files=entries)
+    assert verify(path).files == tuple(entries)
 
 
 def _entries(path: Path) -> list:
