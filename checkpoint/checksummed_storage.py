@@ -131,18 +131,23 @@ class VerifyingReader(FileSystemReader):
         for item in plan.items:
             info = self.storage_data[item.storage_index]
             reads.setdefault(info.relative_path, []).append((info.offset, info.length))
-        problem = ""
+        problem, crashed = "", ""
         try:
             self.checked = verify_reads(self.ckpt_dir, self.manifest, reads)
         except CheckpointInvalid as e:
             problem = str(e)
-        # Every rank reaches this collective, corrupt or not, so all of them learn the outcome
-        # together and fall back together.
-        problems = [problem]
+        except Exception as e:  # noqa: BLE001 - reported to every rank below, then raised
+            crashed = f"{type(e).__name__}: {e}"
+        # Every rank reaches this collective, whatever happened above, so all of them learn the
+        # outcome together and fall back (or fail) together instead of waiting out a timeout.
+        outcomes = [(problem, crashed)]
         if dist.is_initialized():
-            problems = [""] * dist.get_world_size(self.group)
-            dist.all_gather_object(problems, problem, group=self.group)
-        found = [(rank, p) for rank, p in enumerate(problems) if p]
+            outcomes = [("", "")] * dist.get_world_size(self.group)
+            dist.all_gather_object(outcomes, (problem, crashed), group=self.group)
+        for rank, (_, error) in enumerate(outcomes):
+            if error:
+                raise RuntimeError(f"verifying {self.ckpt_dir.name} failed on rank {rank}: {error}")
+        found = [(rank, p) for rank, (p, _) in enumerate(outcomes) if p]
         if found:
             first = found[0][1]
             ranks = ", ".join(str(rank) for rank, p in found if p == first)
