@@ -1,9 +1,11 @@
 """Durable sharded checkpoints: DCP `async_save`, then a manifest written last.
 
-Rank 0 writes the manifest (checksums of every file) once its save future completes: DCP's
-coordinator writes `.metadata` only after gathering every rank's write results, so by then all
-shards are on disk and fsynced. Checkpoint collectives run on their own gloo group, because the
-upload runs in a background thread while training collectives use the default group.
+Every rank checksums the files it writes as it writes them; rank 0 writes the manifest from
+everyone's checksums once its save future completes: DCP's coordinator writes `.metadata` only
+after gathering every rank's write results (ours ride along), so by then all shards are on disk
+and fsynced. A restore verifies in parallel: each rank checks the blocks it will read
+(checkpoint/checksummed_storage.py). Checkpoint collectives run on their own gloo group, because
+the upload runs in a background thread while training collectives use the default group.
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ from __future__ import annotations
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from datetime import timedelta
 from pathlib import Path
@@ -19,8 +21,20 @@ from typing import Any
 
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 
-from checkpoint.manifest import apply_retention, checkpoint_dir, latest_valid, write_manifest
+from checkpoint.checksum import CURRENT, Scheme
+from checkpoint.checksummed_storage import ChecksummingWriter, VerifyingReader
+from checkpoint.manifest import (
+    CheckpointInvalid,
+    Manifest,
+    apply_retention,
+    check_manifest,
+    checkpoint_dir,
+    list_checkpoints,
+    verify_whole,
+    write_manifest,
+)
 from checkpoint.state import TrainState
 
 
@@ -37,8 +51,10 @@ class CheckpointManager:
         layout: dict[str, Any],
         timeout: timedelta,
         log: Callable[[str], None] = _stderr,
+        scheme: Scheme = CURRENT,
     ) -> None:
         self.root = root
+        self.scheme = scheme
         self.keep = keep
         self.layout = layout
         self.log = log
@@ -53,6 +69,9 @@ class CheckpointManager:
         # whose manifest this process wrote, in order; appended from DCP's thread (one append,
         # so readers never see half an entry).
         self.commits: list[tuple[int, Path, float]] = []
+        # The storage objects of the last save and load, for tests and benchmarks to inspect.
+        self.last_writer: ChecksummingWriter | None = None
+        self.last_reader: VerifyingReader | None = None
 
     def save_async(self, state: TrainState) -> None:
         """Stage the state to host memory now and write it in the background."""
@@ -61,18 +80,34 @@ class CheckpointManager:
         step, consumed = state.progress.step, state.progress.consumed_samples
         path = checkpoint_dir(self.root, step)
         path.mkdir(parents=True, exist_ok=True)
-        future = dcp.async_save({"state": state}, checkpoint_id=str(path), process_group=self.group)
+        writer = self.last_writer = ChecksummingWriter(path, scheme=self.scheme)
+        future = dcp.async_save({"state": state}, storage_writer=writer, process_group=self.group)
         if self.rank == 0:
             self._committed.clear()
-            future.add_done_callback(lambda f: self._commit(f, path, step, consumed, started))
+            future.add_done_callback(
+                lambda f: self._commit(f, writer, path, step, consumed, started)
+            )
         self._pending = future
 
     def _commit(
-        self, future: Future, path: Path, step: int, consumed: int, started: float
+        self,
+        future: Future,
+        writer: ChecksummingWriter,
+        path: Path,
+        step: int,
+        consumed: int,
+        started: float,
     ) -> None:
         try:
             future.result()
-            write_manifest(path, step=step, consumed_samples=consumed, layout=self.layout)
+            write_manifest(
+                path,
+                step=step,
+                consumed_samples=consumed,
+                layout=self.layout,
+                files=writer.files,
+                scheme=self.scheme,
+            )
             self.commits.append((step, path, time.monotonic() - started))
             apply_retention(self.root, self.keep)
         except Exception as exc:  # reported, never raised into DCP's executor thread
@@ -93,13 +128,40 @@ class CheckpointManager:
             raise RuntimeError(error)
 
     def load_latest(self, state: TrainState) -> Path | None:
-        """Load the newest valid checkpoint into `state`; every rank uses rank 0's choice."""
-        choice: list[str | None] = [None]
-        if self.rank == 0:
-            found = latest_valid(self.root, on_skip=self.log)
-            choice[0] = str(found[1]) if found else None
-        dist.broadcast_object_list(choice, src=0)
-        if choice[0] is None:
-            return None
-        dcp.load({"state": state}, checkpoint_id=choice[0])
-        return Path(choice[0])
+        """Load the newest checkpoint that verifies into `state`, all ranks in step.
+
+        Rank 0 proposes candidates, newest first, after the cheap checks (manifest, `.metadata`);
+        each rank then verifies the blocks it reads, and a mismatch on any rank makes every rank
+        log-and-skip to the next older candidate (VerifyingReader fails them all together).
+        """
+        candidates = iter(list_checkpoints(self.root)) if self.rank == 0 else iter(())
+        while True:
+            choice: list[tuple[Path, Manifest] | None] = [None]
+            if self.rank == 0:
+                choice[0] = self._next_candidate(candidates)
+            dist.broadcast_object_list(choice, src=0, group=self.group)
+            if choice[0] is None:
+                return None
+            path, manifest = choice[0]
+            reader = self.last_reader = VerifyingReader(path, manifest, group=self.group)
+            try:
+                dcp.load({"state": state}, storage_reader=reader, process_group=self.group)
+            except CheckpointException:
+                if reader.invalid is None:
+                    raise
+                if self.rank == 0:
+                    self.log(f"checkpoint {path.name} is invalid ({reader.invalid}); trying an older one")
+                continue
+            return path
+
+    def _next_candidate(self, candidates: Iterator[tuple[int, Path]]) -> tuple[Path, Manifest] | None:
+        for _, path in candidates:
+            try:
+                # The manifest and DCP's metadata, which every rank reads whole: small, so rank 0
+                # checks them for everyone; the data files are each reader's to check.
+                manifest = check_manifest(path)
+                verify_whole(path, manifest, [".metadata"])
+                return path, manifest
+            except CheckpointInvalid as e:
+                self.log(f"checkpoint {path.name} is invalid ({e}); trying an older one")
+        return None

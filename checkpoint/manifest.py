@@ -1,10 +1,13 @@
 """The manifest that turns a directory of DCP files into a checkpoint.
 
 A checkpoint is `<root>/step_<8-digit step>/`: the files DCP wrote plus `manifest.json`, written
-last and atomically. The manifest lists every file with its size and sha256, so a truncated shard,
-a flipped byte or a half-written directory is caught here, with the file named, instead of deep
-inside a DCP load. A directory without a valid manifest is not a checkpoint (docs/architecture.md,
-"State").
+last and atomically. The manifest (format: checkpoint/manifest_format.py) lists every file with
+its size and checksums (checkpoint/checksum.py), so a truncated shard, a flipped byte or a
+half-written directory is caught, with the file named, instead of deep inside a DCP load. A
+directory without a valid manifest is not a checkpoint (docs/architecture.md, "State").
+In training every rank checksums the files it writes and verifies the blocks it reads
+(checkpoint/checksummed_storage.py, docs/checkpoints.md); `verify` here checks whole
+directories in one process, for tools.
 
 Pure file I/O, no torch: the agent and command-line tools verify checkpoints without it.
 """
@@ -12,62 +15,36 @@ Pure file I/O, no torch: the agent and command-line tools verify checkpoints wit
 from __future__ import annotations
 
 import datetime
-import hashlib
 import json
 import os
 import re
 import shutil
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-MANIFEST_NAME = "manifest.json"
-FORMAT = "ultrascale-checkpoint"
-FORMAT_VERSION = 1
-# Our own temporary manifest and DCP's `.metadata.tmp` both end in this; neither is checkpoint data.
-TMP_SUFFIX = ".tmp"
-_CHUNK = 1 << 20
+from checkpoint.checksum import CURRENT, Scheme, bad_blocks, digest_stream
+from checkpoint.manifest_format import (
+    FORMAT,
+    FORMAT_VERSION,
+    MANIFEST_NAME,
+    READABLE_VERSIONS,
+    TMP_SUFFIX,
+    CheckpointInvalid,
+    FileEntry,
+    Manifest,
+    read_manifest,
+)
+
+# Re-exported: callers import the whole checkpoint-manifest API from here.
+__all__ = [
+    "FORMAT", "FORMAT_VERSION", "MANIFEST_NAME", "READABLE_VERSIONS", "TMP_SUFFIX",
+    "CheckpointInvalid", "FileEntry", "Manifest", "apply_retention", "check_manifest",
+    "checkpoint_dir", "latest_valid", "list_checkpoints", "read_manifest", "verify",
+    "verify_reads", "verify_whole", "write_manifest",
+]
+
 _STEP_DIR = re.compile(r"step_(\d{8,})")
-_SHA256 = re.compile(r"[0-9a-f]{64}")
-
-
-class CheckpointInvalid(ValueError):
-    """A directory is not a usable checkpoint; the message names the file and the problem."""
-
-
-@dataclass(frozen=True)
-class FileEntry:
-    path: str  # relative to the checkpoint directory, '/'-separated
-    size: int
-    sha256: str
-
-
-@dataclass(frozen=True)
-class Manifest:
-    step: int
-    consumed_samples: int
-    layout: dict[str, Any]
-    files: tuple[FileEntry, ...]
-    created: str  # ISO 8601, UTC
-    extra: dict[str, Any] = field(default_factory=dict)
-    version: int = FORMAT_VERSION
-
-    @property
-    def total_bytes(self) -> int:
-        return sum(f.size for f in self.files)
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "format": FORMAT,
-            "version": self.version,
-            "step": self.step,
-            "consumed_samples": self.consumed_samples,
-            "layout": self.layout,
-            "created": self.created,
-            "extra": self.extra,
-            "files": [{"path": f.path, "size": f.size, "sha256": f.sha256} for f in self.files],
-        }
 
 
 def checkpoint_dir(root: Path, step: int) -> Path:
@@ -87,17 +64,24 @@ def write_manifest(
     consumed_samples: int,
     layout: dict[str, Any],
     extra: dict[str, Any] | None = None,
+    files: Sequence[FileEntry] | None = None,
+    scheme: Scheme = CURRENT,
 ) -> Path:
-    """Describe every file of `ckpt_dir` and commit the checkpoint by writing its manifest.
+    """Commit the checkpoint in `ckpt_dir` by writing its manifest.
 
-    Call only after the DCP save has finished on every rank: from the moment this returns, the
-    directory is a checkpoint, durably.
+    `files` are the entries the writers computed as they wrote (every file of the directory,
+    checksummed with `scheme`); without them every file is read and checksummed here. Call only
+    after the DCP save has finished on every rank: from the moment this returns, the directory is
+    a checkpoint, durably.
     """
     ckpt_dir = Path(ckpt_dir)
     if step < 0 or consumed_samples < 0:
         raise ValueError(f"step and consumed_samples must be >= 0 (got {step}, {consumed_samples})")
     rel_paths, subdirs = _walk(ckpt_dir)
-    files = tuple(_describe(ckpt_dir, rel) for rel in rel_paths)
+    if files is None:
+        files = tuple(_describe(ckpt_dir, rel, scheme) for rel in rel_paths)
+    else:
+        files = _check_reported(ckpt_dir, files, scheme)
     for sub in subdirs:
         _fsync_dir(sub)
     manifest = Manifest(
@@ -107,6 +91,7 @@ def write_manifest(
         files=files,
         created=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         extra=dict(extra or {}),
+        scheme=scheme,
     )
     path = ckpt_dir / MANIFEST_NAME
     _write_atomically(path, json.dumps(manifest.to_json(), indent=1).encode())
@@ -134,22 +119,33 @@ def _walk(ckpt_dir: Path) -> tuple[list[str], list[Path]]:
     return rel_paths, subdirs
 
 
-def _describe(ckpt_dir: Path, rel: str) -> FileEntry:
+def _describe(ckpt_dir: Path, rel: str, scheme: Scheme) -> FileEntry:
     with open(ckpt_dir / rel, "rb") as f:
-        size, digest = _hash_stream(f)
+        size, digests = digest_stream(f, scheme)
         # The manifest promises these bytes survive a crash. DCP already fsyncs with
         # sync_files=True, so this is nearly free then, and it covers writers that don't.
         os.fsync(f.fileno())
-    return FileEntry(path=rel, size=size, sha256=digest)
+    return FileEntry(path=rel, size=size, digests=digests)
 
 
-def _hash_stream(f: Any) -> tuple[int, str]:
-    h = hashlib.sha256()
-    size = 0
-    while chunk := f.read(_CHUNK):
-        h.update(chunk)
-        size += len(chunk)
-    return size, h.hexdigest()
+def _check_reported(
+    ckpt_dir: Path, files: Sequence[FileEntry], scheme: Scheme
+) -> tuple[FileEntry, ...]:
+    """The writers' entries, sorted, once each file's size on disk (stat only) agrees.
+
+    Files on disk that no writer reported are left out: they are leftovers of an earlier save
+    into the same step directory (a run resumed from an older checkpoint saves this step again),
+    which this save's `.metadata` never points at; a load that tried to read one would fail
+    verification, as the file is not in the manifest.
+    """
+    by_path = {f.path: f for f in files}
+    for entry in files:
+        _check_size(ckpt_dir, entry)
+        if len(entry.digests) != scheme.block_count(entry.size):
+            raise CheckpointInvalid(
+                f"{ckpt_dir.name}/{entry.path}: reported digests do not match its size"
+            )
+    return tuple(sorted(by_path.values(), key=lambda f: f.path))
 
 
 def _write_atomically(path: Path, data: bytes) -> None:
@@ -179,23 +175,6 @@ def _fsync_dir(path: Path) -> None:
 # --- reading and verifying --------------------------------------------------------------------
 
 
-def read_manifest(ckpt_dir: Path) -> Manifest:
-    """Parse and validate `ckpt_dir`'s manifest, without looking at the files it lists."""
-    ckpt_dir = Path(ckpt_dir)
-    where = f"{ckpt_dir.name}/{MANIFEST_NAME}"
-    try:
-        raw = (ckpt_dir / MANIFEST_NAME).read_bytes()
-    except FileNotFoundError:
-        raise CheckpointInvalid(f"{where}: manifest missing (not a checkpoint)") from None
-    except OSError as e:
-        raise CheckpointInvalid(f"{where}: manifest unreadable ({e.strerror})") from e
-    try:
-        doc = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise CheckpointInvalid(f"{where}: malformed manifest: not valid JSON ({e})") from e
-    return _parse(doc, where)
-
-
 def verify(ckpt_dir: Path, *, checksums: bool = True) -> Manifest:
     """Return the manifest of `ckpt_dir` if every file it lists is present and intact.
 
@@ -203,14 +182,45 @@ def verify(ckpt_dir: Path, *, checksums: bool = True) -> Manifest:
     such (and quickly) rather than as a checksum mismatch.
     """
     ckpt_dir = Path(ckpt_dir)
-    manifest = read_manifest(ckpt_dir)
-    _check_step_name(ckpt_dir, manifest)
+    manifest = check_manifest(ckpt_dir)
     for entry in manifest.files:
         _check_size(ckpt_dir, entry)
     if checksums:
         for entry in manifest.files:
-            _check_checksum(ckpt_dir, entry)
+            _check_blocks(ckpt_dir, manifest.scheme, entry, range(len(entry.digests)))
     return manifest
+
+
+def check_manifest(ckpt_dir: Path) -> Manifest:
+    """The manifest of `ckpt_dir`, parsed and matched to the directory name; files unchecked."""
+    manifest = read_manifest(ckpt_dir)
+    _check_step_name(Path(ckpt_dir), manifest)
+    return manifest
+
+
+def verify_whole(ckpt_dir: Path, manifest: Manifest, paths: Iterable[str]) -> None:
+    """Check the size and every checksum of each of `paths`."""
+    sizes = {p: (e.size if (e := manifest.entry(p)) else 0) for p in paths}
+    verify_reads(ckpt_dir, manifest, {p: [(0, size)] for p, size in sizes.items()})
+
+
+def verify_reads(
+    ckpt_dir: Path, manifest: Manifest, reads: Mapping[str, Iterable[tuple[int, int]]]
+) -> dict[str, tuple[int, ...]]:
+    """Check the files a loader will read, given as path → byte ranges (offset, length): each
+    file's size, then the checksum of every block the ranges touch (the whole file for a version-1
+    manifest). Returns the blocks checked per file."""
+    ckpt_dir = Path(ckpt_dir)
+    entries = []
+    for rel, ranges in sorted(reads.items()):
+        entry = manifest.entry(rel)
+        if entry is None:
+            raise CheckpointInvalid(f"{ckpt_dir.name}/{rel}: read by DCP but not in the manifest")
+        _check_size(ckpt_dir, entry)
+        entries.append((entry, sorted(manifest.scheme.blocks_covering(ranges))))
+    for entry, blocks in entries:
+        _check_blocks(ckpt_dir, manifest.scheme, entry, blocks)
+    return {entry.path: tuple(blocks) for entry, blocks in entries}
 
 
 def _check_step_name(ckpt_dir: Path, manifest: Manifest) -> None:
@@ -236,78 +246,19 @@ def _check_size(ckpt_dir: Path, entry: FileEntry) -> None:
         raise CheckpointInvalid(f"{label}: size {st.st_size} != {entry.size} in manifest")
 
 
-def _check_checksum(ckpt_dir: Path, entry: FileEntry) -> None:
+def _check_blocks(ckpt_dir: Path, scheme: Scheme, entry: FileEntry, blocks: Iterable[int]) -> None:
     label = f"{ckpt_dir.name}/{entry.path}"
     try:
         with open(ckpt_dir / entry.path, "rb") as f:
-            _, digest = _hash_stream(f)
+            bad = bad_blocks(f, scheme, entry.digests, blocks)
     except OSError as e:
         raise CheckpointInvalid(f"{label}: unreadable ({e.strerror})") from e
-    if digest != entry.sha256:
+    if bad and len(entry.digests) > 1:
+        start = bad[0] * scheme.block_bytes
+        end = min(entry.size, start + scheme.block_bytes)
+        raise CheckpointInvalid(f"checksum mismatch in {label} (block {bad[0]}, bytes {start}-{end})")
+    if bad:
         raise CheckpointInvalid(f"checksum mismatch in {label}")
-
-
-def _parse(doc: Any, where: str) -> Manifest:
-    if not isinstance(doc, dict):
-        raise _malformed(where, "the top level must be a JSON object")
-    if _get(doc, "format", str, where) != FORMAT:
-        raise _malformed(where, f"field 'format' must be {FORMAT!r} (got {doc['format']!r})")
-    version = _get_count(doc, "version", where)
-    if version != FORMAT_VERSION:
-        raise _malformed(where, f"field 'version' is {version}; this build reads {FORMAT_VERSION}")
-    files_raw = _get(doc, "files", list, where)
-    files = tuple(_parse_entry(item, f"files[{i}]", where) for i, item in enumerate(files_raw))
-    seen: set[str] = set()
-    for i, entry in enumerate(files):
-        if entry.path in seen:
-            raise _malformed(where, f"field 'files[{i}].path' repeats {entry.path!r}")
-        seen.add(entry.path)
-    return Manifest(
-        step=_get_count(doc, "step", where),
-        consumed_samples=_get_count(doc, "consumed_samples", where),
-        layout=_get(doc, "layout", dict, where),
-        files=files,
-        created=_get(doc, "created", str, where),
-        extra=_get(doc, "extra", dict, where),
-        version=version,
-    )
-
-
-def _parse_entry(item: Any, name: str, where: str) -> FileEntry:
-    if not isinstance(item, dict):
-        raise _malformed(where, f"field '{name}' must be an object (got {item!r})")
-    path = _get(item, "path", str, where, prefix=name)
-    parts = path.split("/")
-    # A manifest must not send a verifier (or retention) outside its own directory.
-    if not path or path.startswith("/") or any(p in ("", ".", "..") for p in parts):
-        raise _malformed(where, f"field '{name}.path' must be a plain relative path (got {path!r})")
-    sha = _get(item, "sha256", str, where, prefix=name)
-    if not _SHA256.fullmatch(sha):
-        raise _malformed(where, f"field '{name}.sha256' must be 64 lowercase hex digits")
-    return FileEntry(path=path, size=_get_count(item, "size", where, prefix=name), sha256=sha)
-
-
-def _get(obj: dict[str, Any], key: str, kind: type, where: str, prefix: str = "") -> Any:
-    name = f"{prefix}.{key}" if prefix else key
-    if key not in obj:
-        raise _malformed(where, f"field '{name}' is missing")
-    value = obj[key]
-    if not isinstance(value, kind):
-        raise _malformed(where, f"field '{name}' must be {kind.__name__} (got {value!r})")
-    return value
-
-
-def _get_count(obj: dict[str, Any], key: str, where: str, prefix: str = "") -> int:
-    value = _get(obj, key, int, where, prefix)
-    # bool is an int in Python but never a valid count.
-    if isinstance(value, bool) or value < 0:
-        name = f"{prefix}.{key}" if prefix else key
-        raise _malformed(where, f"field '{name}' must be a non-negative integer (got {value!r})")
-    return value
-
-
-def _malformed(where: str, problem: str) -> CheckpointInvalid:
-    return CheckpointInvalid(f"{where}: malformed manifest: {problem}")
 
 
 # --- the checkpoints under a root -------------------------------------------------------------

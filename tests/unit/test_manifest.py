@@ -130,7 +130,7 @@ def test_step_in_manifest_must_match_directory(tmp_path: Path) -> None:
         (lambda doc: doc.update(step=True), "'step' must be a non-negative integer"),
         (lambda doc: doc.update(layout=[]), "'layout' must be dict"),
         (lambda doc: doc["files"][1].update(size=-1), r"'files\[1\]\.size' must be a non-neg"),
-        (lambda doc: doc["files"][2].pop("sha256"), r"'files\[2\]\.sha256' is missing"),
+        (lambda doc: doc["files"][2].pop("crc32c"), r"'files\[2\]\.crc32c' is missing"),
         (lambda doc: doc["files"][0].update(path="../x"), r"'files\[0\]\.path' must be a plain"),
         (lambda doc: doc.update(version=99), "'version' is 99"),
     ],
@@ -205,3 +205,69 @@ def test_retention_with_nothing_valid_removes_nothing(tmp_path: Path) -> None:
     assert len(list_checkpoints(tmp_path)) == 2
     with pytest.raises(ValueError, match="keep must be >= 1"):
         apply_retention(tmp_path, keep=0)
+
+
+def test_version_1_sha256_manifest_still_verifies(tmp_path: Path) -> None:
+    import hashlib
+
+    path = fake_dcp_checkpoint(tmp_path, 12)
+
+    def as_version_1(doc: dict) -> None:
+        # What an earlier build wrote: no "checksum" section, one sha256 per file.
+        del doc["checksum"]
+        doc["version"] = 1
+        for f in doc["files"]:
+            del f["crc32c"]
+            f["sha256"] = hashlib.sha256((path / f["path"]).read_bytes()).hexdigest()
+
+    rewrite_manifest(path, as_version_1)
+    assert "checksum" not in json.loads((path / MANIFEST_NAME).read_text())
+    manifest = verify(path)
+    assert (manifest.version, manifest.scheme.algorithm) == (1, "sha256")
+    data = bytearray((path / SHARD).read_bytes())
+    data[-1] ^= 1
+    (path / SHARD).write_bytes(bytes(data))
+    with pytest.raises(CheckpointInvalid, match=r"^checksum mismatch in step_00000012/__1_0\.distcp$"):
+        verify(path)
+
+
+def test_blocks_name_where_the_damage_is(tmp_path: Path) -> None:
+    from checkpoint.checksum import CRC32C, Scheme
+
+    path = fake_dcp_checkpoint(tmp_path, 12, commit=False)
+    write_manifest(path, step=12, consumed_samples=0, layout=LAYOUT, scheme=Scheme(CRC32C, 1024))
+    assert [len(f.digests) for f in verify(path).files] == [1, 6, 6]
+    with open(path / SHARD, "r+b") as f:
+        f.seek(5000)
+        f.write(b"\xff")
+    with pytest.raises(CheckpointInvalid, match=r"__1_0\.distcp \(block 4, bytes 4096-5120\)$"):
+        verify(path)
+
+
+def test_reported_checksums_are_checked_against_sizes_and_leave_out_stale_files(
+    tmp_path: Path,
+) -> None:
+    from checkpoint.manifest import FileEntry
+
+    path = fake_dcp_checkpoint(tmp_path, 12, commit=False)
+    entries = _entries(path)
+    wrong_size = [e for e in entries if e.path != SHARD] + [FileEntry(SHARD, 5, ("00000000",))]
+    with pytest.raises(CheckpointInvalid, match=r"__1_0\.distcp: size 6000 != 5 in manifest"):
+        write_manifest(path, step=12, consumed_samples=0, layout=LAYOUT, files=wrong_size)
+    assert not (path / MANIFEST_NAME).exists()
+    # A file from an earlier save into the same directory, which this save did not write.
+    (path / "__3_0.distcp").write_bytes(b"stale")
+    write_manifest(path, step=12, consumed_samples=0, layout=LAYOUT, files=entries)
+    assert verify(path).files == tuple(entries)
+
+
+def _entries(path: Path) -> list:
+    """Entries computed the way a tool would, from the bytes on disk."""
+    from checkpoint.checksum import CURRENT, digest_stream
+    from checkpoint.manifest import FileEntry
+
+    out = []
+    for name in sorted(p.name for p in path.iterdir() if p.name != MANIFEST_NAME):
+        with open(path / name, "rb") as f:
+            out.append(FileEntry(name, *digest_stream(f, CURRENT)))
+    return out
