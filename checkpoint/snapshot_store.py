@@ -63,17 +63,19 @@ class SnapshotStore:
         return read_manifest(step_dir(self.root, step), step)
 
     def prune(self) -> list[int]:
-        """Keep the newest `keep` complete steps; free every step directory older than them.
+        """Keep the newest `keep` complete steps; free the rest. Returns the freed steps.
 
-        Incomplete steps newer than the kept ones stay: they may be being written.
+        Also frees incomplete steps older than the newest complete one: a snapshot save is
+        collective, so no step older than a completed one is still being written. Incomplete
+        steps newer than it stay: they may be being written now.
         """
         complete = self.steps()
-        if len(complete) <= self.keep:
+        if not complete:
             return []
-        oldest_kept = complete[-self.keep]
+        kept = set(complete[-self.keep :])
         freed = []
         for step, directory in sorted(self._step_dirs().items()):
-            if step < oldest_kept:
+            if step not in kept and step < complete[-1]:
                 shutil.rmtree(directory, ignore_errors=True)
                 freed.append(step)
         return freed
