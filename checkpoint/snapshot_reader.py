@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed._shard._utils import narrow_tensor_by_index
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner
 from torch.distributed.checkpoint.storage import StorageReader
@@ -172,8 +173,20 @@ def load_snapshot(
     fetch: Fetch,
     process_group: dist.ProcessGroup | None = None,
 ) -> None:
-    """Load snapshot `step` into `state`, resharded to the current layout."""
-    dcp.load({"state": state}, storage_reader=SnapshotReader(step, fetch), process_group=process_group)
+    """Load snapshot `step` into `state`, resharded to the current layout.
+
+    Raises SnapshotInvalid on every rank, with every failing rank's reason, when any rank's
+    bytes are missing, truncated or fail their checksums; `state` is then untouched.
+    """
+    try:
+        dcp.load(
+            {"state": state}, storage_reader=SnapshotReader(step, fetch), process_group=process_group
+        )
+    except CheckpointException as exc:
+        reasons = sorted({str(e) for e, _ in exc.failures.values() if isinstance(e, SnapshotInvalid)})
+        if reasons:
+            raise SnapshotInvalid("; ".join(reasons)) from None
+        raise
 
 
 def local_fetch(root: Path, step: int) -> Fetch:
