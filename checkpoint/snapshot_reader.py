@@ -53,6 +53,9 @@ class SnapshotReader(StorageReader):
         self.manifest: SnapshotManifest | None = None
         self.storage_data: dict[MetadataIndex, SnapshotItem] = {}
         self._verified: dict[MetadataIndex, bytes] = {}
+        # DCP turns a failed read_metadata into a bare AssertionError; load_snapshot re-raises
+        # this instead.
+        self.failure: SnapshotInvalid | None = None
 
     def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
         if checkpoint_id is not None:
@@ -75,6 +78,13 @@ class SnapshotReader(StorageReader):
         return data[offset - start : offset - start + length]
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        try:
+            return self._read_metadata()
+        except SnapshotInvalid as exc:
+            self.failure = exc
+            raise
+
+    def _read_metadata(self) -> Metadata:
         where = f"snapshot step {self.step}: {MANIFEST_NAME}"
         try:
             raw = self.fetch(MANIFEST_NAME, 0, -1)
@@ -178,14 +188,15 @@ def load_snapshot(
     Raises SnapshotInvalid on every rank, with every failing rank's reason, when any rank's
     bytes are missing, truncated or fail their checksums; `state` is then untouched.
     """
+    reader = SnapshotReader(step, fetch)
     try:
-        dcp.load(
-            {"state": state}, storage_reader=SnapshotReader(step, fetch), process_group=process_group
-        )
+        dcp.load({"state": state}, storage_reader=reader, process_group=process_group)
     except CheckpointException as exc:
-        reasons = sorted({str(e) for e, _ in exc.failures.values() if isinstance(e, SnapshotInvalid)})
+        reasons = {str(e) for e, _ in exc.failures.values() if isinstance(e, SnapshotInvalid)}
+        if reader.failure is not None:
+            reasons.add(str(reader.failure))
         if reasons:
-            raise SnapshotInvalid("; ".join(reasons)) from None
+            raise SnapshotInvalid("; ".join(sorted(reasons))) from None
         raise
 
 
