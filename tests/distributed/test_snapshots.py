@@ -280,7 +280,7 @@ store = dist.TCPStore("127.0.0.1", 0, 1, is_master=True)
 dist.init_process_group("gloo", store=store, rank=0, world_size=1, timeout=timedelta(seconds=60))
 model = torch.nn.Linear(1024, 1024)  # 4 MiB of weights, 12 MiB with Adam's moments
 optimizer = torch.optim.AdamW(model.parameters())
-model(torch.ones(1, 4096)).sum().backward()
+model(torch.ones(1, 1024)).sum().backward()
 optimizer.step()
 progress = Progress()
 state = TrainState(model, optimizer, progress)
