@@ -1,0 +1,251 @@
+"""The in-memory snapshot format: names, checksums and the manifest (docs/snapshots.md).
+
+A snapshot of step s is a directory `<root>/step_<8-digit s>/` in POSIX shared memory:
+
+    rank_<5-digit r>.distcp   rank r's shard: raw tensor bytes and DCP's byte items, back to back
+    rank_<5-digit r>.json     rank r's record of that file: size and chunk checksums
+    .metadata                 DCP's Metadata (pickled), written by the coordinator
+    manifest.json             written last, atomically: the step exists only once this does
+
+Every file is checksummed per fixed-size chunk, so a reader of a byte range verifies just the
+chunks it touches and a chunked stream to a peer carries ready-made checksums.
+
+Pure Python, no torch: the agent owns, serves and frees snapshots without importing it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import crc32c
+
+FORMAT = "ultrascale-snapshot"
+FORMAT_VERSION = 1
+MANIFEST_NAME = "manifest.json"
+METADATA_NAME = ".metadata"
+# 4 MiB: big enough that per-chunk overhead is noise, small enough that a byte-range read
+# verifies little beyond what it asked for.
+CHUNK_BYTES = 4 << 20
+DEFAULT_BASE = Path("/dev/shm")
+_STEP_DIR = re.compile(r"step_(\d{8,})")
+
+
+class SnapshotInvalid(ValueError):
+    """A snapshot (or part of one) cannot be used; the message names the step, file and rank."""
+
+
+def checksum(data: bytes | memoryview) -> int:
+    """crc32c, as durable checkpoints use (checkpoint/checksum.py): the one place to swap it."""
+    return crc32c.crc32c(data)
+
+
+def chunk_checksums(data: bytes, chunk_bytes: int = CHUNK_BYTES) -> tuple[int, ...]:
+    return tuple(checksum(data[i : i + chunk_bytes]) for i in range(0, len(data), chunk_bytes))
+
+
+def chunk_span(entry: FileEntry, offset: int, length: int, where: str) -> tuple[int, int]:
+    """The chunk-aligned byte range [start, end) that covers [offset, offset + length)."""
+    if offset < 0 or length < 0 or offset + length > entry.size:
+        raise SnapshotInvalid(
+            f"{where}: range [{offset}, {offset + length}) is outside its {entry.size} bytes"
+        )
+    start = offset // CHUNK_BYTES * CHUNK_BYTES
+    end = min(-(-(offset + length) // CHUNK_BYTES) * CHUNK_BYTES, entry.size)
+    return start, end
+
+
+def verify_span(entry: FileEntry, start: int, end: int, data: bytes, where: str) -> None:
+    """Check `data`, meant to be bytes [start, end) of `entry` (from `chunk_span`)."""
+    if len(data) != end - start:
+        raise SnapshotInvalid(
+            f"{where} is truncated: got {len(data)} of bytes [{start}, {end}), "
+            f"the manifest says the file has {entry.size}"
+        )
+    for pos in range(0, len(data), CHUNK_BYTES):
+        index = (start + pos) // CHUNK_BYTES
+        if checksum(data[pos : pos + CHUNK_BYTES]) != entry.chunks[index]:
+            raise SnapshotInvalid(f"{where}: checksum mismatch in chunk {index} (bytes {start + pos}+)")
+
+
+def snapshot_root(job: str, base: Path = DEFAULT_BASE) -> Path:
+    """Where a node keeps the snapshots of `job`: agent and workers agree on this path."""
+    if not job or "/" in job or job.startswith("."):
+        raise ValueError(f"job name must be a plain file name (got {job!r})")
+    return Path(base) / "ultrascale" / job
+
+
+def step_dir(root: Path, step: int) -> Path:
+    if step < 0:
+        raise ValueError(f"step must be >= 0 (got {step})")
+    return Path(root) / f"step_{step:08d}"
+
+
+def parse_step_dir(name: str) -> int | None:
+    match = _STEP_DIR.fullmatch(name)
+    return int(match.group(1)) if match else None
+
+
+def shard_name(rank: int) -> str:
+    return f"rank_{rank:05d}.distcp"
+
+
+def record_name(rank: int) -> str:
+    return f"rank_{rank:05d}.json"
+
+
+@dataclass(frozen=True)
+class SnapshotItem:
+    """Where one DCP write item lives: DCP's per-item `storage_data` in `.metadata`."""
+
+    file: str
+    offset: int
+    length: int
+    dtype: str | None  # torch dtype name ("float32") of a raw tensor; None for a byte item
+    shape: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class FileEntry:
+    path: str  # relative to the step directory
+    rank: int  # the rank that wrote it (the coordinator for .metadata)
+    size: int
+    chunks: tuple[int, ...]  # checksum of each CHUNK_BYTES slice, in order
+
+    def to_json(self) -> dict[str, Any]:
+        return {"path": self.path, "rank": self.rank, "size": self.size, "chunks": list(self.chunks)}
+
+    @classmethod
+    def from_json(cls, raw: Any, where: str) -> FileEntry:
+        if not isinstance(raw, dict):
+            raise SnapshotInvalid(f"{where}: a file entry must be an object (got {raw!r})")
+        path, rank, size, chunks = (raw.get(k) for k in ("path", "rank", "size", "chunks"))
+        if not isinstance(path, str) or not path or "/" in path or path.startswith(".."):
+            raise SnapshotInvalid(f"{where}: field 'path' must be a file name (got {path!r})")
+        for name, value in (("rank", rank), ("size", size)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise SnapshotInvalid(f"{where} ({path}): field '{name}' must be an int >= 0 (got {value!r})")
+        if not isinstance(chunks, list) or not all(isinstance(c, int) for c in chunks):
+            raise SnapshotInvalid(f"{where} ({path}): field 'chunks' must be a list of ints")
+        if len(chunks) != -(-size // CHUNK_BYTES):
+            raise SnapshotInvalid(
+                f"{where} ({path}): field 'chunks' has {len(chunks)} checksums for {size} bytes"
+            )
+        return cls(path=path, rank=rank, size=size, chunks=tuple(chunks))
+
+
+@dataclass(frozen=True)
+class SnapshotManifest:
+    step: int
+    consumed_samples: int
+    world_size: int
+    layout: dict[str, Any]
+    files: tuple[FileEntry, ...]  # every rank's shard, then .metadata
+    chunk_bytes: int = CHUNK_BYTES
+    version: int = FORMAT_VERSION
+
+    def file(self, path: str) -> FileEntry:
+        for entry in self.files:
+            if entry.path == path:
+                return entry
+        raise SnapshotInvalid(f"snapshot step {self.step}: file {path} is not in its manifest")
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(f.size for f in self.files)
+
+    def _body(self) -> dict[str, Any]:
+        return {
+            "format": FORMAT,
+            "version": self.version,
+            "step": self.step,
+            "consumed_samples": self.consumed_samples,
+            "world_size": self.world_size,
+            "layout": self.layout,
+            "chunk_bytes": self.chunk_bytes,
+            "files": [f.to_json() for f in self.files],
+        }
+
+    def to_bytes(self) -> bytes:
+        body = self._body()
+        # The manifest checksums itself, so a flipped digit in a size or checksum is caught
+        # as a bad manifest rather than blamed on the file it describes.
+        body["checksum"] = checksum(_canonical(body))
+        return json.dumps(body, indent=1).encode()
+
+    @classmethod
+    def parse(cls, data: bytes, where: str) -> SnapshotManifest:
+        try:
+            raw = json.loads(data)
+        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise SnapshotInvalid(f"{where}: not valid JSON ({exc})") from None
+        if not isinstance(raw, dict):
+            raise SnapshotInvalid(f"{where}: must be a JSON object")
+        if raw.get("format") != FORMAT or raw.get("version") != FORMAT_VERSION:
+            raise SnapshotInvalid(
+                f"{where}: fields 'format'/'version' must be {FORMAT!r}/{FORMAT_VERSION} "
+                f"(got {raw.get('format')!r}/{raw.get('version')!r})"
+            )
+        stored = raw.pop("checksum", None)
+        if stored != checksum(_canonical(raw)):
+            raise SnapshotInvalid(f"{where}: field 'checksum' does not match the manifest's content")
+        for name in ("step", "consumed_samples", "world_size", "chunk_bytes"):
+            value = raw.get(name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise SnapshotInvalid(f"{where}: field '{name}' must be an int >= 0 (got {value!r})")
+        if raw["chunk_bytes"] != CHUNK_BYTES:
+            raise SnapshotInvalid(
+                f"{where}: field 'chunk_bytes' must be {CHUNK_BYTES} (got {raw['chunk_bytes']})"
+            )
+        if not isinstance(raw.get("layout"), dict):
+            raise SnapshotInvalid(f"{where}: field 'layout' must be an object")
+        files = raw.get("files")
+        if not isinstance(files, list):
+            raise SnapshotInvalid(f"{where}: field 'files' must be a list")
+        entries = tuple(FileEntry.from_json(f, f"{where} files[{i}]") for i, f in enumerate(files))
+        shard_ranks = sorted(e.rank for e in entries if e.path != METADATA_NAME)
+        if shard_ranks != list(range(raw["world_size"])) or METADATA_NAME not in {e.path for e in entries}:
+            raise SnapshotInvalid(
+                f"{where}: field 'files' must hold one shard per rank 0..{raw['world_size'] - 1} "
+                f"and {METADATA_NAME} (got shards of ranks {shard_ranks})"
+            )
+        return cls(
+            step=raw["step"],
+            consumed_samples=raw["consumed_samples"],
+            world_size=raw["world_size"],
+            layout=raw["layout"],
+            files=entries,
+        )
+
+
+def _canonical(body: dict[str, Any]) -> bytes:
+    return json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
+
+
+def write_atomically(path: Path, data: bytes) -> None:
+    """Write `data` to `path` so readers see all of it or nothing (rename is atomic).
+
+    No fsync: shared memory does not outlive the machine, and what it must outlive (a crashed
+    writer) a rename already covers.
+    """
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as f:
+        f.write(data)
+    os.replace(tmp, path)
+
+
+def read_manifest(directory: Path, step: int) -> SnapshotManifest:
+    path = Path(directory) / MANIFEST_NAME
+    where = f"snapshot step {step}: {path}"
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
+        raise SnapshotInvalid(f"{where} is missing: the snapshot is incomplete") from None
+    manifest = SnapshotManifest.parse(data, where)
+    if manifest.step != step:
+        raise SnapshotInvalid(f"{where}: field 'step' is {manifest.step}, the directory says {step}")
+    return manifest

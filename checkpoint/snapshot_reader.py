@@ -1,0 +1,206 @@
+"""Restore from a snapshot: a DCP `StorageReader` over a byte-range fetch (docs/snapshots.md).
+
+`fetch(file, offset, length) -> bytes` is where the bytes come from: the local `SnapshotStore`
+now, a peer agent later. The reader checks every byte it uses against the manifest's chunk
+checksums itself, end to end, whatever the fetch did. DCP's planner decides which ranges a rank
+needs for its new layout, so resharding to any world size is DCP's, not ours.
+
+Nothing is loaded unless everything verifies: every rank fetches and verifies all it needs in
+`prepare_local_plan`, before DCP's planning collective, so a bad chunk on any rank fails every
+rank before any tensor is written.
+"""
+
+from __future__ import annotations
+
+import bisect
+import io
+import os
+import pickle
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed._shard._utils import narrow_tensor_by_index
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
+from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner
+from torch.distributed.checkpoint.storage import StorageReader
+from torch.futures import Future
+
+from checkpoint.snapshot_format import (
+    MANIFEST_NAME,
+    METADATA_NAME,
+    SnapshotInvalid,
+    SnapshotItem,
+    SnapshotManifest,
+    chunk_span,
+    verify_span,
+)
+from checkpoint.snapshot_store import SnapshotStore
+from checkpoint.state import TrainState
+
+Fetch = Callable[[str, int, int], bytes]
+
+
+class SnapshotReader(StorageReader):
+    def __init__(self, step: int, fetch: Fetch) -> None:
+        super().__init__()
+        self.step = step
+        self.fetch = fetch
+        self.manifest: SnapshotManifest | None = None
+        self.storage_data: dict[MetadataIndex, SnapshotItem] = {}
+        self._verified: dict[MetadataIndex, bytes] = {}
+        # DCP turns a failed read_metadata into a bare AssertionError; load_snapshot re-raises
+        # this instead.
+        self.failure: SnapshotInvalid | None = None
+
+    def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
+        if checkpoint_id is not None:
+            raise ValueError("SnapshotReader reads through its fetch; pass checkpoint_id=None")
+        self._verified = {}
+
+    def _get(self, file: str, offset: int, length: int) -> bytes:
+        """Bytes [offset, offset + length) of `file`, fetched chunk-aligned and verified."""
+        assert self.manifest is not None
+        entry = self.manifest.file(file)
+        where = f"snapshot step {self.step}: file {file} (rank {entry.rank})"
+        start, end = chunk_span(entry, offset, length, where)
+        try:
+            data = self.fetch(file, start, end - start)
+        except SnapshotInvalid:
+            raise
+        except (OSError, KeyError) as exc:
+            raise SnapshotInvalid(f"{where} could not be fetched: {exc}") from None
+        verify_span(entry, start, end, data, where)
+        return data[offset - start : offset - start + length]
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        try:
+            return self._read_metadata()
+        except SnapshotInvalid as exc:
+            self.failure = exc
+            raise
+
+    def _read_metadata(self) -> Metadata:
+        where = f"snapshot step {self.step}: {MANIFEST_NAME}"
+        try:
+            raw = self.fetch(MANIFEST_NAME, 0, -1)
+        except (OSError, KeyError) as exc:
+            raise SnapshotInvalid(f"{where} could not be fetched: {exc}") from None
+        self.manifest = SnapshotManifest.parse(raw, where)
+        if self.manifest.step != self.step:
+            raise SnapshotInvalid(f"{where}: field 'step' is {self.manifest.step}, not {self.step}")
+        entry = self.manifest.file(METADATA_NAME)
+        blob = self._get(METADATA_NAME, 0, entry.size)
+        # Unpickling, as DCP's own reader does: the bytes passed the manifest's checksums.
+        metadata = pickle.loads(blob)
+        if not isinstance(metadata, Metadata):
+            raise SnapshotInvalid(f"snapshot step {self.step}: {METADATA_NAME} is not DCP Metadata")
+        return metadata
+
+    def set_up_storage_reader(
+        self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any
+    ) -> None:
+        if metadata.storage_data is None:
+            raise SnapshotInvalid(f"snapshot step {self.step}: {METADATA_NAME} has no storage data")
+        self.storage_data = metadata.storage_data
+
+    def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
+        # Verify everything this rank will load now, before the planning collective: a failure
+        # here fails every rank's load before any of them has written a tensor.
+        self._verified = {}
+        by_file: dict[str, list[MetadataIndex]] = {}
+        for read_item in plan.items:
+            index = read_item.storage_index
+            by_file.setdefault(self.storage_data[index].file, []).append(index)
+        for file, indices in by_file.items():
+            items = [self.storage_data[i] for i in indices]
+            spans = _merge((item.offset, item.offset + item.length) for item in items)
+            fetched = [self._get(file, lo, hi - lo) for lo, hi in spans]
+            starts = [lo for lo, _ in spans]
+            for index, item in zip(indices, items, strict=True):
+                k = bisect.bisect_right(starts, item.offset) - 1
+                begin = item.offset - starts[k]
+                self._verified[index] = fetched[k][begin : begin + item.length]
+        return plan
+
+    def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
+        return plans
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        for read_item in plan.items:
+            item = self.storage_data[read_item.storage_index]
+            data = self._verified.get(read_item.storage_index)
+            if data is None:  # a planner that changed the plan after prepare_local_plan
+                data = self._get(item.file, item.offset, item.length)
+            if read_item.type == LoadItemType.BYTE_IO:
+                planner.load_bytes(read_item, io.BytesIO(data))
+                continue
+            if item.dtype is None:
+                raise SnapshotInvalid(
+                    f"snapshot step {self.step}: file {item.file}: a tensor is stored as bytes"
+                )
+            dtype = getattr(torch, item.dtype)
+            tensor = torch.frombuffer(bytearray(data), dtype=dtype).view(item.shape) if data else (
+                torch.empty(item.shape, dtype=dtype)
+            )
+            tensor = narrow_tensor_by_index(tensor, read_item.storage_offsets, read_item.lengths)
+            target = planner.resolve_tensor(read_item).detach()
+            if target.size() != tensor.size():
+                raise SnapshotInvalid(
+                    f"snapshot step {self.step}: file {item.file}: {read_item.storage_index.fqn} "
+                    f"has shape {tuple(tensor.size())}, the target {tuple(target.size())}"
+                )
+            target.copy_(tensor)
+            planner.commit_tensor(read_item, target)
+        self._verified = {}
+        future: Future[None] = Future()
+        future.set_result(None)
+        return future
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
+        return False
+
+
+def _merge(ranges: Any) -> list[tuple[int, int]]:
+    """Sorted, merged [lo, hi) ranges: adjacent items are fetched and verified once."""
+    merged: list[list[int]] = []
+    for lo, hi in sorted(ranges):
+        if merged and lo <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], hi)
+        else:
+            merged.append([lo, hi])
+    return [(lo, hi) for lo, hi in merged]
+
+
+def load_snapshot(
+    state: TrainState,
+    step: int,
+    fetch: Fetch,
+    process_group: dist.ProcessGroup | None = None,
+) -> None:
+    """Load snapshot `step` into `state`, resharded to the current layout.
+
+    Raises SnapshotInvalid on every rank, with every failing rank's reason, when any rank's
+    bytes are missing, truncated or fail their checksums; `state` is then untouched.
+    """
+    reader = SnapshotReader(step, fetch)
+    try:
+        dcp.load({"state": state}, storage_reader=reader, process_group=process_group)
+    except CheckpointException as exc:
+        reasons = {str(e) for e, _ in exc.failures.values() if isinstance(e, SnapshotInvalid)}
+        if reader.failure is not None:
+            reasons.add(str(reader.failure))
+        if reasons:
+            raise SnapshotInvalid("; ".join(sorted(reasons))) from None
+        raise
+
+
+def local_fetch(root: Path, step: int) -> Fetch:
+    """A fetch from this node's shared memory."""
+    store = SnapshotStore(root)
+    return lambda file, offset, length: store.read(step, file, offset, length)

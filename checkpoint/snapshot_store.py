@@ -1,0 +1,109 @@
+"""What a node's agent owns: the snapshot steps in its shared memory (docs/snapshots.md).
+
+Lists the complete steps, keeps the newest `keep` of them (freeing the shared memory of older
+ones), and serves checksum-validated byte ranges, which is all a restoring worker, local now
+or remote through its agent later, needs. Pure Python, no torch.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+from checkpoint.snapshot_format import (
+    MANIFEST_NAME,
+    SnapshotInvalid,
+    SnapshotManifest,
+    chunk_span,
+    parse_step_dir,
+    read_manifest,
+    step_dir,
+    verify_span,
+)
+
+
+class SnapshotStore:
+    def __init__(self, root: Path, keep: int = 2) -> None:
+        if keep < 1:
+            raise ValueError(f"keep must be >= 1 (got {keep})")
+        self.root = Path(root)
+        self.keep = keep
+
+    def _step_dirs(self) -> dict[int, Path]:
+        if not self.root.is_dir():
+            return {}
+        found = {}
+        for entry in self.root.iterdir():
+            step = parse_step_dir(entry.name)
+            if step is not None and entry.is_dir():
+                found[step] = entry
+        return found
+
+    def is_complete(self, step: int) -> bool:
+        """A manifest that parses, and every file it lists present at its full size."""
+        directory = step_dir(self.root, step)
+        try:
+            manifest = read_manifest(directory, step)
+        except SnapshotInvalid:
+            return False
+        for entry in manifest.files:
+            try:
+                if (directory / entry.path).stat().st_size != entry.size:
+                    return False
+            except FileNotFoundError:
+                return False
+        return True
+
+    def steps(self) -> list[int]:
+        """The complete snapshot steps held here, oldest first."""
+        return sorted(s for s in self._step_dirs() if self.is_complete(s))
+
+    def manifest(self, step: int) -> SnapshotManifest:
+        return read_manifest(step_dir(self.root, step), step)
+
+    def prune(self) -> list[int]:
+        """Keep the newest `keep` complete steps; free the rest. Returns the freed steps.
+
+        Also frees incomplete steps older than the newest complete one: a snapshot save is
+        collective, so no step older than a completed one is still being written. Incomplete
+        steps newer than it stay: they may be being written now.
+        """
+        complete = self.steps()
+        if not complete:
+            return []
+        kept = set(complete[-self.keep :])
+        freed = []
+        for step, directory in sorted(self._step_dirs().items()):
+            if step not in kept and step < complete[-1]:
+                shutil.rmtree(directory, ignore_errors=True)
+                freed.append(step)
+        return freed
+
+    def free(self, step: int) -> None:
+        shutil.rmtree(step_dir(self.root, step), ignore_errors=True)
+
+    def read(self, step: int, file: str, offset: int, length: int) -> bytes:
+        """Bytes [offset, offset + length) of `file` (length -1: to its end), checksum-verified.
+
+        The manifest itself is served whole and verified by its own checksum.
+        """
+        directory = step_dir(self.root, step)
+        if file == MANIFEST_NAME:
+            return self.manifest(step).to_bytes()
+        entry = self.manifest(step).file(file)
+        where = f"snapshot step {step}: file {file} (rank {entry.rank})"
+        if length == -1:
+            length = entry.size - offset
+        start, end = chunk_span(entry, offset, length, where)
+        try:
+            fd = os.open(directory / file, os.O_RDONLY)
+        except FileNotFoundError:
+            raise SnapshotInvalid(f"{where} is missing") from None
+        try:
+            data = os.pread(fd, end - start, start)
+        finally:
+            os.close(fd)
+        verify_span(entry, start, end, data, where)
+        return data[offset - start : offset - start + length]
+

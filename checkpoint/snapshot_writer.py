@@ -1,0 +1,208 @@
+"""Per-step snapshots: a DCP `StorageWriter` into POSIX shared memory (docs/snapshots.md).
+
+Each rank writes its shard straight into a shared-memory file as raw bytes (no pickling of
+tensors), so the step blocks for about one memory copy plus checksumming and DCP's planning.
+The files outlive the worker: the node's agent, not the worker, frees them.
+
+The coordinator writes DCP's `.metadata` and then the manifest, last: a snapshot whose writer
+died at any earlier point has no manifest and is never complete.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import json
+import os
+import pickle
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
+from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItemType
+from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
+from torch.futures import Future
+
+from checkpoint.snapshot_format import (
+    CHUNK_BYTES,
+    MANIFEST_NAME,
+    METADATA_NAME,
+    FileEntry,
+    SnapshotItem,
+    SnapshotManifest,
+    checksum,
+    chunk_checksums,
+    record_name,
+    shard_name,
+    step_dir,
+    write_atomically,
+)
+from checkpoint.state import TrainState
+
+# The index under which a rank's write results carry its FileEntry to the coordinator:
+# DCP hands `finish` every rank's results and nothing else, and `finish` takes this one out
+# before the rest becomes `.metadata`.
+_FILE_FQN = "__ultrascale_snapshot_file__"
+
+
+@dataclasses.dataclass(frozen=True)
+class _Payload:
+    item: Any  # WriteItem
+    data: torch.Tensor | bytes
+    offset: int
+    length: int
+
+
+class SnapshotWriter(StorageWriter):
+    def __init__(
+        self, root: Path, *, step: int, consumed_samples: int, layout: dict[str, Any]
+    ) -> None:
+        super().__init__()
+        self.directory = step_dir(root, step)
+        self.step = step
+        self.consumed_samples = consumed_samples
+        self.layout = dict(layout)
+        self.rank = 0
+        self.world_size = 1
+        # Seconds this rank spent copying into shared memory and checksumming it: what the
+        # step pays beyond DCP's planning and collectives.
+        self.copy_seconds = 0.0
+        self.checksum_seconds = 0.0
+
+    def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
+        if checkpoint_id is not None:
+            raise ValueError("SnapshotWriter names its own directory; pass checkpoint_id=None")
+
+    def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        self.rank = int(kwargs.get("rank", 0))
+
+    def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
+        self.directory.mkdir(parents=True, exist_ok=True)
+        return plan
+
+    def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
+        return plans
+
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        started = time.perf_counter()
+        payloads, offset = [], 0
+        for item in plan.items:
+            data = planner.resolve_data(item)
+            if item.type == WriteItemType.BYTE_IO:
+                assert isinstance(data, io.BytesIO)
+                raw = data.getvalue()
+                payloads.append(_Payload(item, raw, offset, len(raw)))
+                offset += len(raw)
+            else:
+                assert isinstance(data, torch.Tensor)
+                length = data.numel() * data.element_size()
+                payloads.append(_Payload(item, data, offset, length))
+                offset += length
+        name = shard_name(self.rank)
+        path = self.directory / name
+        # O_EXCL: two writers of one rank and step would interleave; fail loudly instead.
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            os.ftruncate(fd, offset)
+            chunks = self._fill(fd, offset, payloads)
+        finally:
+            os.close(fd)
+        self.copy_seconds = time.perf_counter() - started - self.checksum_seconds
+        entry = FileEntry(path=name, rank=self.rank, size=offset, chunks=chunks)
+        # The rank's own record, so the node's agent can validate and stream this shard before
+        # the coordinator's manifest reaches it.
+        write_atomically(self.directory / record_name(self.rank), _record_json(self.step, entry))
+        results = [
+            WriteResult(
+                index=p.item.index,
+                size_in_bytes=p.length,
+                storage_data=SnapshotItem(
+                    file=name,
+                    offset=p.offset,
+                    length=p.length,
+                    dtype=None if isinstance(p.data, bytes) else str(p.data.dtype).removeprefix("torch."),
+                    shape=() if isinstance(p.data, bytes) else tuple(p.data.shape),
+                ),
+            )
+            for p in payloads
+        ]
+        results.append(WriteResult(MetadataIndex(_FILE_FQN, index=self.rank), offset, entry))
+        future: Future[list[WriteResult]] = Future()
+        future.set_result(results)
+        return future
+
+    def _fill(self, fd: int, size: int, payloads: list[_Payload]) -> tuple[int, ...]:
+        for p in payloads:
+            if isinstance(p.data, bytes):
+                _pwrite_all(fd, memoryview(p.data), p.offset)
+            elif p.length:
+                # write(2) from the tensor's memory: one kernel copy into tmpfs pages. Measured
+                # ~2x faster than copying into an mmap of the file, which faults every page in.
+                dense = p.data.detach().contiguous().reshape(-1).view(torch.uint8)
+                _pwrite_all(fd, memoryview(dense.numpy()), p.offset)
+        started = time.perf_counter()
+        # Read back in chunks (cache-resident): the payloads do not fall on chunk boundaries.
+        chunks = tuple(
+            checksum(os.pread(fd, CHUNK_BYTES, pos)) for pos in range(0, size, CHUNK_BYTES)
+        )
+        self.checksum_seconds = time.perf_counter() - started
+        return chunks
+
+    def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        files: list[FileEntry] = []
+        storage: dict[MetadataIndex, SnapshotItem] = {}
+        for rank_results in results:
+            for result in rank_results:
+                if isinstance(result.storage_data, FileEntry):
+                    files.append(result.storage_data)
+                else:
+                    storage[result.index] = result.storage_data
+        metadata.storage_data = storage
+        blob = pickle.dumps(metadata)
+        write_atomically(self.directory / METADATA_NAME, blob)
+        files.sort(key=lambda f: f.rank)
+        files.append(FileEntry(METADATA_NAME, self.rank, len(blob), chunk_checksums(blob)))
+        manifest = SnapshotManifest(
+            step=self.step,
+            consumed_samples=self.consumed_samples,
+            world_size=len(results),
+            layout=self.layout,
+            files=tuple(files),
+        )
+        write_atomically(self.directory / MANIFEST_NAME, manifest.to_bytes())
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
+        return False
+
+
+def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
+    while data:
+        written = os.pwrite(fd, data, offset)
+        data, offset = data[written:], offset + written
+
+
+def _record_json(step: int, entry: FileEntry) -> bytes:
+    return json.dumps({"step": step, **entry.to_json()}).encode()
+
+
+def save_snapshot(
+    state: TrainState,
+    root: Path,
+    *,
+    layout: dict[str, Any],
+    process_group: dist.ProcessGroup | None = None,
+) -> SnapshotWriter:
+    """Snapshot `state` at its current step into `root`; returns the writer (for its timings)."""
+    writer = SnapshotWriter(
+        root,
+        step=state.progress.step,
+        consumed_samples=state.progress.consumed_samples,
+        layout=layout,
+    )
+    dcp.save({"state": state}, storage_writer=writer, process_group=process_group)
+    return writer

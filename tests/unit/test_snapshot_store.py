@@ -1,0 +1,135 @@
+"""SnapshotStore over real shared-memory files: completeness, retention, verified byte ranges."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import pytest
+
+from checkpoint.snapshot_format import (
+    CHUNK_BYTES,
+    MANIFEST_NAME,
+    METADATA_NAME,
+    FileEntry,
+    SnapshotInvalid,
+    SnapshotManifest,
+    checksum,
+    chunk_checksums,
+    shard_name,
+    snapshot_root,
+    step_dir,
+    write_atomically,
+)
+from checkpoint.snapshot_store import SnapshotStore
+
+SHM = Path("/dev/shm")
+
+
+@pytest.fixture
+def root():
+    path = Path(tempfile.mkdtemp(dir=SHM, prefix="ultrascale-test-"))
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def make_step(root: Path, step: int, sizes: list[int], *, manifest: bool = True) -> dict[str, bytes]:
+    """A snapshot as the writer lays it out: one shard per rank, .metadata, then the manifest."""
+    directory = step_dir(root, step)
+    directory.mkdir(parents=True)
+    contents, entries = {}, []
+    for rank, size in enumerate(sizes):
+        data = os.urandom(size)
+        (directory / shard_name(rank)).write_bytes(data)
+        contents[shard_name(rank)] = data
+        entries.append(FileEntry(shard_name(rank), rank, size, chunk_checksums(data)))
+    meta = os.urandom(300)
+    (directory / METADATA_NAME).write_bytes(meta)
+    entries.append(FileEntry(METADATA_NAME, 0, len(meta), chunk_checksums(meta)))
+    if manifest:
+        body = SnapshotManifest(step, step * 10, len(sizes), {"dp": len(sizes)}, tuple(entries))
+        write_atomically(directory / MANIFEST_NAME, body.to_bytes())
+    return contents
+
+
+def test_lists_complete_steps_and_keeps_the_last_two(root):
+    for step in (1, 2, 3, 4):
+        make_step(root, step, [100, 200])
+    make_step(root, 5, [100, 200], manifest=False)  # being written, or its writer died
+    store = SnapshotStore(root)
+    assert store.steps() == [1, 2, 3, 4]
+    assert store.prune() == [1, 2]
+    assert store.steps() == [3, 4]
+    present = sorted(p.name for p in root.iterdir())
+    assert present == ["step_00000003", "step_00000004", "step_00000005"]
+    # Once step 6 completes, 3 goes, and so does 5: no save older than a complete one is running.
+    make_step(root, 6, [100, 200])
+    assert store.prune() == [3, 5]
+    assert sorted(p.name for p in root.iterdir()) == ["step_00000004", "step_00000006"]
+
+
+def test_reads_verified_ranges_across_chunks(root):
+    contents = make_step(root, 7, [2 * CHUNK_BYTES + 12345, 10])
+    store = SnapshotStore(root)
+    data = contents[shard_name(0)]
+    for offset, length in [(0, 1), (CHUNK_BYTES - 3, 7), (5, 2 * CHUNK_BYTES), (0, len(data))]:
+        assert store.read(7, shard_name(0), offset, length) == data[offset : offset + length]
+    assert store.read(7, shard_name(0), CHUNK_BYTES, -1) == data[CHUNK_BYTES:]
+    with pytest.raises(SnapshotInvalid, match="outside its"):
+        store.read(7, shard_name(1), 5, 6)
+
+
+def test_a_bit_flip_is_caught_in_the_chunk_it_hits(root):
+    make_step(root, 3, [2 * CHUNK_BYTES, 64])
+    path = step_dir(root, 3) / shard_name(0)
+    with open(path, "r+b") as f:
+        f.seek(CHUNK_BYTES + 17)
+        byte = f.read(1)[0]
+        f.seek(CHUNK_BYTES + 17)
+        f.write(bytes([byte ^ 0x04]))
+    store = SnapshotStore(root)
+    assert store.read(3, shard_name(0), 0, 100)  # chunk 0 is intact
+    expected = r"step 3: file rank_00000.distcp \(rank 0\): checksum mismatch in chunk 1"
+    with pytest.raises(SnapshotInvalid, match=expected):
+        store.read(3, shard_name(0), CHUNK_BYTES, 10)
+
+
+def test_truncated_and_missing_shards(root):
+    make_step(root, 4, [1000, 1000, 1000])
+    directory = step_dir(root, 4)
+    store = SnapshotStore(root)
+    os.truncate(directory / shard_name(1), 500)
+    (directory / shard_name(2)).unlink()
+    assert store.steps() == []
+    with pytest.raises(SnapshotInvalid, match=r"step 4: file rank_00001.distcp \(rank 1\) is truncated"):
+        store.read(4, shard_name(1), 0, 1000)
+    with pytest.raises(SnapshotInvalid, match=r"step 4: file rank_00002.distcp \(rank 2\) is missing"):
+        store.read(4, shard_name(2), 0, 10)
+
+
+def test_a_damaged_manifest_is_rejected_by_name(root):
+    make_step(root, 2, [10])
+    path = step_dir(root, 2) / MANIFEST_NAME
+    raw = json.loads(path.read_bytes())
+    raw["files"][0]["size"] = 11  # an edit without a new checksum
+    path.write_text(json.dumps(raw))
+    store = SnapshotStore(root)
+    assert store.steps() == []
+    with pytest.raises(SnapshotInvalid, match="field 'checksum'"):
+        store.manifest(2)
+    del raw["checksum"]
+    raw["files"] = raw["files"][1:]  # a consistent checksum over a manifest missing a shard
+    raw["checksum"] = checksum(json.dumps(raw, sort_keys=True, separators=(",", ":")).encode())
+    path.write_text(json.dumps(raw))
+    with pytest.raises(SnapshotInvalid, match=r"field 'files' must hold one shard per rank 0..0"):
+        store.manifest(2)
+
+
+def test_root_naming():
+    assert snapshot_root("llama-7b") == Path("/dev/shm/ultrascale/llama-7b")
+    for bad in ("", "a/b", ".hidden"):
+        with pytest.raises(ValueError, match="job name"):
+            snapshot_root(bad)
