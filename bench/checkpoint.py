@@ -40,7 +40,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
-from bench.ranks import free_port
+from bench.ranks import free_port, timed_across_ranks
 from checkpoint.manifest import verify, write_manifest
 
 SAVE_WORLD = 4
@@ -117,14 +117,6 @@ def _scramble(model: nn.Module, optim: torch.optim.Optimizer) -> None:
                 value.zero_()
 
 
-def _timed(fn: Callable[[], object]) -> float:
-    """Wall time of `fn` across all ranks: from everyone starting to the last one finishing."""
-    dist.barrier()
-    start = time.perf_counter()
-    fn()
-    dist.barrier()
-    return time.perf_counter() - start
-
 
 def _drop_page_cache() -> bool:
     os.sync()  # dirty pages are not dropped; write them back first
@@ -174,14 +166,14 @@ def _save_worker(rank: int, world: int, port: int, cfg: dict[str, Any]) -> None:
     times: dict[str, list[float]] = {"save": [], "raw_write": [], "raw_read": []}
     for run in range(cfg["runs"]):
         ckpt = work / f"ckpt_{run}"
-        times["save"].append(_timed(lambda ckpt=ckpt: dcp.save(state, checkpoint_id=ckpt)))
+        times["save"].append(timed_across_ranks(lambda ckpt=ckpt: dcp.save(state, checkpoint_id=ckpt)))
         per_rank = _dir_bytes(ckpt) // world
         data = os.urandom(per_rank)  # incompressible, generated outside the timer
         raw = work / f"raw_{run}_rank{rank}.bin"
-        times["raw_write"].append(_timed(lambda raw=raw, data=data: _raw_write(raw, data)))
+        times["raw_write"].append(timed_across_ranks(lambda raw=raw, data=data: _raw_write(raw, data)))
         _before_read(rank, cfg["drop"])
         buf = bytearray(per_rank)
-        times["raw_read"].append(_timed(lambda raw=raw, buf=buf: _raw_read(raw, buf)))
+        times["raw_read"].append(timed_across_ranks(lambda raw=raw, buf=buf: _raw_read(raw, buf)))
         raw.unlink()
     if rank == 0:
         result = {"times": times, "ckpt_bytes": _dir_bytes(work / "ckpt_0"), "raw_bytes": per_rank}
@@ -200,7 +192,7 @@ def _load_worker(rank: int, world: int, port: int, cfg: dict[str, Any]) -> None:
         state = _sharded_state(model, optim)
         _before_read(rank, cfg["drop"])
         ckpt = work / f"ckpt_{run}"
-        times.append(_timed(lambda ckpt=ckpt, sd=state: dcp.load(sd, checkpoint_id=ckpt)))
+        times.append(timed_across_ranks(lambda ckpt=ckpt, sd=state: dcp.load(sd, checkpoint_id=ckpt)))
         set_state_dict(
             model, optim, model_state_dict=state["model"], optim_state_dict=state["optim"]
         )
@@ -291,6 +283,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.runs < 3 or args.size_mb <= 0:
         parser.error("--runs must be >= 3 and --size-mb > 0")
+    if args.dir is not None and not Path(args.dir).is_dir():
+        parser.error(f"--dir {args.dir}: no such directory")
     # Each rank's own store; no sharing with a torchrun rendezvous that does not exist here.
     os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
     if args.integrity:

@@ -35,7 +35,7 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard
 
-from bench.ranks import free_port, init_gloo_rank
+from bench.ranks import free_port, init_gloo_rank, timed_across_ranks
 from checkpoint.checksum import CURRENT, LEGACY
 from checkpoint.checksummed_storage import ChecksummingWriter, VerifyingReader
 from checkpoint.manifest import read_manifest, verify_reads, verify_whole, write_manifest
@@ -64,13 +64,6 @@ def algorithm_speeds(runs: int) -> list[tuple[str, float]]:
     return out
 
 
-def _timed(fn: Callable[[], object]) -> float:
-    dist.barrier()
-    start = time.perf_counter()
-    fn()
-    dist.barrier()
-    return time.perf_counter() - start
-
 
 def _worker(rank: int, world: int, port: int, cfg: dict[str, Any]) -> None:
     init_gloo_rank(rank, world, port, timedelta(seconds=600))
@@ -83,7 +76,7 @@ def _worker(rank: int, world: int, port: int, cfg: dict[str, Any]) -> None:
     times: dict[str, list[float]] = {k: [] for k in (
         "save", "old commit", "new commit", "old verify", "new verify", "old restore",
         "new restore")}
-    times["save"].append(_timed(lambda: dcp.save(state, storage_writer=writer)))
+    times["save"].append(timed_across_ranks(lambda: dcp.save(state, storage_writer=writer)))
     group = dist.new_group(backend="gloo", timeout=timedelta(seconds=600))
 
     def commit(scheme: Any, files: Any) -> None:
@@ -92,9 +85,9 @@ def _worker(rank: int, world: int, port: int, cfg: dict[str, Any]) -> None:
 
     legacy = new = None
     for _ in range(cfg["runs"]):
-        times["old commit"].append(_timed(lambda: commit(LEGACY, None)))
+        times["old commit"].append(timed_across_ranks(lambda: commit(LEGACY, None)))
         legacy = read_manifest(path)
-        times["new commit"].append(_timed(lambda: commit(CURRENT, writer.files)))
+        times["new commit"].append(timed_across_ranks(lambda: commit(CURRENT, writer.files)))
         new = read_manifest(path)
     assert legacy is not None and new is not None
     assert (legacy.scheme, new.scheme) == (LEGACY, CURRENT)
@@ -121,7 +114,7 @@ def _worker(rank: int, world: int, port: int, cfg: dict[str, Any]) -> None:
         for name, fn in (("old verify", old_verify), ("new verify", new_verify),
                          ("old restore", old_restore), ("new restore", new_restore)):
             target["w"].to_local().zero_()
-            times[name].append(_timed(fn))
+            times[name].append(timed_across_ranks(fn))
             if name.endswith("restore"):
                 assert torch.equal(target["w"].to_local(), local), f"{name}: values differ"
     if rank == 0:

@@ -1,9 +1,11 @@
-"""What every multi-rank benchmark needs: a free local port and a gloo rank on it."""
+"""What every multi-rank benchmark needs: a free local port, a gloo rank on it, a timer."""
 
 from __future__ import annotations
 
 import os
 import socket
+import time
+from collections.abc import Callable
 from datetime import timedelta
 
 import torch
@@ -22,3 +24,12 @@ def init_gloo_rank(rank: int, world: int, port: int, timeout: timedelta | None =
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     kwargs = {"timeout": timeout} if timeout is not None else {}
     dist.init_process_group("gloo", rank=rank, world_size=world, **kwargs)
+
+
+def timed_across_ranks(fn: Callable[[], object]) -> float:
+    """Wall time of `fn` across all ranks: from everyone starting to the last one finishing."""
+    dist.barrier()
+    start = time.perf_counter()
+    fn()
+    dist.barrier()
+    return time.perf_counter() - start
