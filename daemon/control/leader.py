@@ -90,6 +90,10 @@ class Leader:
         again = False
         backoff = Backoff(initial=0.1, maximum=self.ttl / 2)
         while self.election.is_leader:
+            # Every await below can complete without suspending (a set event, a met condition,
+            # a gather of nothing): yield once a round, so that this loop can be cancelled and
+            # never starves the agent's other tasks.
+            await asyncio.sleep(0)
             timeout = self.ttl if wake_at is None else max(0.0, min(self.ttl,
                                                                     wake_at - time.time()))
             # asyncio.timeout, not wait_for: 3.11's wait_for can lose a cancellation that
@@ -220,6 +224,11 @@ class Leader:
 
     async def _probe_nodes(self, nodes: tuple[str, ...]) -> None:
         """Probe agents (a failed collective, or a missing lease); revoke the unreachable."""
+        if self.election.node in nodes:
+            # This agent is running this line: its own key missing is watch lag or its lease
+            # going as it stops. It answers for itself (else decide() would ask again at once,
+            # forever); if the key stays gone, the lease rule takes over as for a peer.
+            self._probes[self.election.node] = ProbeResult(True, time.time())
         results = await asyncio.gather(*(self._probe_one(n) for n in nodes
                                           if n != self.election.node))
         dead = [n for n, alive in results if not alive]

@@ -11,6 +11,7 @@ put: the leader must replace the generation.
 from __future__ import annotations
 
 import asyncio
+import threading
 from pathlib import Path
 
 import pytest
@@ -66,3 +67,55 @@ def test_a_fenced_member_gets_its_generation_replaced(etcd: EtcdServer, tmp_path
                 await agent.stop()
 
     asyncio.run(scenario())
+
+
+def test_a_leader_missing_its_own_node_key_keeps_yielding(etcd: EtcdServer,
+                                                          tmp_path: Path) -> None:
+    """The leader's own node key gone from the view (watch lag, or its lease going as it stops)
+    made decide() ask for a probe of the leader itself, which it skipped, so the same decision
+    came back at once: a loop that never suspended, starving the agent and ignoring
+    cancellation (a hung `agent.stop()`). The scenario runs in its own thread, so that a loop
+    that never yields fails this test instead of hanging the suite."""
+    token = tmp_path / "token"
+    token.write_text("t\n")
+    token.chmod(0o600)
+    outcome: list[BaseException | None] = []
+
+    async def scenario() -> None:
+        agents = [Agent(AgentConfig(node_id=n, devices=1, etcd=etcd.endpoint,
+                                    state_dir=tmp_path / n, job="self", ttl=2,
+                                    token_file=token, workers=False)) for n in ("a", "b")]
+        try:
+            for agent in agents:
+                await agent.start()
+            a = agents[0]
+            await _until(lambda: len(a.view.nodes) == 2 and a.view.leader is not None,
+                         "two members and a leader")
+            spec = JobSpec(config=jobmod.loads(TINY_JOB).to_dict(), toml=TINY_JOB)
+            await a.etcd.put(a.keys.spec, spec.to_json())
+            await _until(lambda: a.view.plan is not None and len(a.view.plan.nodes) == 2,
+                         "a generation of both nodes")
+            name = a.view.leader[0] if a.view.leader else ""
+            leader = next(x for x in agents if x.node_id == name)
+            assert leader.leader is not None
+            await leader.etcd.delete(leader.keys.node(name))
+            await _until(lambda: name in leader.leader._probes, "the leader to answer for itself")
+            # Other tasks still run: this sleep returns only if the leader's loop yields.
+            await asyncio.sleep(0.5)
+        finally:
+            for agent in agents:
+                await agent.stop()
+
+    def run() -> None:
+        try:
+            asyncio.run(scenario())
+            outcome.append(None)
+        except BaseException as exc:  # handed to the test's thread
+            outcome.append(exc)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(timeout=3 * DEADLINE_S)
+    assert not thread.is_alive(), "the scenario never finished: an event loop stopped yielding"
+    if outcome[0] is not None:
+        raise outcome[0]
