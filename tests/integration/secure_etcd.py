@@ -75,3 +75,26 @@ async def _enable_auth(server: EtcdServer, ca: CA, client: Pair, password: str) 
         await auth.UserGrantRole(rpc.AuthUserGrantRoleRequest(user=USER, role="ultrascale"),
                                  timeout=10)
         await auth.AuthEnable(rpc.AuthEnableRequest(), timeout=10)
+
+
+
+def void_auth_tokens(etcd: SecureEtcd) -> None:
+    """Make etcd forget every auth token it issued (auth disable, then enable, as root), so a
+    client's next call is refused with "invalid auth token", as after an etcd restart that
+    lost them. (A restart alone does not lose them reliably: etcd replays the Authenticate
+    requests in its write-ahead log and restores the tokens they issued.)"""
+
+    async def go() -> None:
+        server, ca, client = etcd.server, etcd.ca, etcd.client
+        creds = grpc.ssl_channel_credentials(ca.cert.read_bytes(), client.key.read_bytes(),
+                                             client.cert.read_bytes())
+        async with grpc.aio.secure_channel(f"{server.host}:{server.client_port}",
+                                           creds) as channel:
+            auth = rpc.AuthStub(channel)
+            token = (await auth.Authenticate(
+                rpc.AuthenticateRequest(name="root", password="root-pw"), timeout=10)).token
+            await auth.AuthDisable(rpc.AuthDisableRequest(), timeout=10,
+                                   metadata=(("token", token),))
+            await auth.AuthEnable(rpc.AuthEnableRequest(), timeout=10)
+
+    asyncio.run(go())
