@@ -11,7 +11,9 @@ put: the leader must replace the generation.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
@@ -36,25 +38,36 @@ async def _until(predicate, what: str) -> None:  # type: ignore[no-untyped-def]
         await asyncio.sleep(0.05)
 
 
-def test_a_fenced_member_gets_its_generation_replaced(etcd: EtcdServer, tmp_path: Path) -> None:
+@contextlib.asynccontextmanager
+async def _two_agents_running_a_job(etcd: EtcdServer, tmp_path: Path,
+                                    job: str) -> AsyncIterator[list[Agent]]:
+    """Agents a and b (control plane only) with a generation of both nodes; stopped after."""
     token = tmp_path / "token"
     token.write_text("t\n")
     token.chmod(0o600)
+    agents = [Agent(AgentConfig(node_id=n, devices=1, etcd=etcd.endpoint,
+                                state_dir=tmp_path / n, job=job, ttl=2,
+                                token_file=token, workers=False)) for n in ("a", "b")]
+    try:
+        for agent in agents:
+            await agent.start()
+        a = agents[0]
+        await _until(lambda: len(a.view.nodes) == 2 and a.view.leader is not None,
+                     "two members and a leader")
+        spec = JobSpec(config=jobmod.loads(TINY_JOB).to_dict(), toml=TINY_JOB)
+        await a.etcd.put(a.keys.spec, spec.to_json())
+        await _until(lambda: a.view.plan is not None and len(a.view.plan.nodes) == 2,
+                     "a generation of both nodes")
+        yield agents
+    finally:
+        for agent in agents:
+            await agent.stop()
 
+
+def test_a_fenced_member_gets_its_generation_replaced(etcd: EtcdServer, tmp_path: Path) -> None:
     async def scenario() -> None:
-        agents = [Agent(AgentConfig(node_id=n, devices=1, etcd=etcd.endpoint,
-                                    state_dir=tmp_path / n, job="fence", ttl=2,
-                                    token_file=token, workers=False)) for n in ("a", "b")]
-        try:
-            for agent in agents:
-                await agent.start()
+        async with _two_agents_running_a_job(etcd, tmp_path, "fence") as agents:
             a = agents[0]
-            await _until(lambda: len(a.view.nodes) == 2 and a.view.leader is not None,
-                         "two members and a leader")
-            spec = JobSpec(config=jobmod.loads(TINY_JOB).to_dict(), toml=TINY_JOB)
-            await a.etcd.put(a.keys.spec, spec.to_json())
-            await _until(lambda: a.view.plan is not None and len(a.view.plan.nodes) == 2,
-                         "a generation of both nodes")
             assert a.view.plan is not None
             first = a.view.plan.generation
             leader = a.view.leader[0] if a.view.leader else ""
@@ -62,9 +75,6 @@ def test_a_fenced_member_gets_its_generation_replaced(etcd: EtcdServer, tmp_path
             await member._on_fenced("keepalive acknowledgements late (test)")
             await _until(lambda: a.view.generation > first, "the generation to be replaced")
             assert a.view.plan is not None and a.view.plan.generation == first + 1
-        finally:
-            for agent in agents:
-                await agent.stop()
 
     asyncio.run(scenario())
 
@@ -76,25 +86,11 @@ def test_a_leader_missing_its_own_node_key_keeps_yielding(etcd: EtcdServer,
     came back at once: a loop that never suspended, starving the agent and ignoring
     cancellation (a hung `agent.stop()`). The scenario runs in its own thread, so that a loop
     that never yields fails this test instead of hanging the suite."""
-    token = tmp_path / "token"
-    token.write_text("t\n")
-    token.chmod(0o600)
     outcome: list[BaseException | None] = []
 
     async def scenario() -> None:
-        agents = [Agent(AgentConfig(node_id=n, devices=1, etcd=etcd.endpoint,
-                                    state_dir=tmp_path / n, job="self", ttl=2,
-                                    token_file=token, workers=False)) for n in ("a", "b")]
-        try:
-            for agent in agents:
-                await agent.start()
+        async with _two_agents_running_a_job(etcd, tmp_path, "self") as agents:
             a = agents[0]
-            await _until(lambda: len(a.view.nodes) == 2 and a.view.leader is not None,
-                         "two members and a leader")
-            spec = JobSpec(config=jobmod.loads(TINY_JOB).to_dict(), toml=TINY_JOB)
-            await a.etcd.put(a.keys.spec, spec.to_json())
-            await _until(lambda: a.view.plan is not None and len(a.view.plan.nodes) == 2,
-                         "a generation of both nodes")
             name = a.view.leader[0] if a.view.leader else ""
             leader = next(x for x in agents if x.node_id == name)
             assert leader.leader is not None
@@ -102,9 +98,6 @@ def test_a_leader_missing_its_own_node_key_keeps_yielding(etcd: EtcdServer,
             await _until(lambda: name in leader.leader._probes, "the leader to answer for itself")
             # Other tasks still run: this sleep returns only if the leader's loop yields.
             await asyncio.sleep(0.5)
-        finally:
-            for agent in agents:
-                await agent.stop()
 
     def run() -> None:
         try:
