@@ -80,6 +80,14 @@ class SnapshotStore:
                 freed.append(step)
         return freed
 
+    def free_after(self, step: int) -> list[int]:
+        """Free every step newer than `step`: a restore went back to `step`, so newer ones
+        belong to a history that no longer counts. Returns the freed steps."""
+        freed = sorted(s for s in self._step_dirs() if s > step)
+        for s in freed:
+            self.free(s)
+        return freed
+
     def free(self, step: int) -> None:
         shutil.rmtree(step_dir(self.root, step), ignore_errors=True)
 

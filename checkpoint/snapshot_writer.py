@@ -142,7 +142,10 @@ class SnapshotWriter(StorageWriter):
             elif p.length:
                 # write(2) from the tensor's memory: one kernel copy into tmpfs pages. Measured
                 # ~2x faster than copying into an mmap of the file, which faults every page in.
-                dense = p.data.detach().contiguous().reshape(-1).view(torch.uint8)
+                dense = p.data.detach()
+                if dense.device.type != "cpu":
+                    dense = dense.cpu()  # the device-to-host copy: the step's only other cost
+                dense = dense.contiguous().reshape(-1).view(torch.uint8)
                 _pwrite_all(fd, memoryview(dense.numpy()), p.offset)
         started = time.perf_counter()
         # Read back in chunks (cache-resident): the payloads do not fall on chunk boundaries.
