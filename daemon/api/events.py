@@ -73,7 +73,7 @@ def render(keys: Keys, ev: Any) -> ClusterEvent | None:
             rev, "generation", generation=plan.generation,
             message=f"generation {plan.generation} ({plan.reason or '?'}): world "
                     f"{plan.world_size} on {','.join(sorted(plan.nodes))}; restore "
-                    f"{r.source}@{r.step}"
+                    f"{r.source}@{r.step}" + (f" ({r.reason})" if r.reason else "")
                     + (f"; layout {plan.layout_reason}" if plan.layout_reason else ""))
     if name == "spec" and put:
         job = JobSpec.from_json(kv.value).config.get("job", {}).get("name", "?")

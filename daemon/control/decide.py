@@ -268,9 +268,14 @@ class _Decider:
         step, holders = newest_assemblable(held)
         if step > 0 and step >= durable:
             return {"source": "snapshot", "step": step, "locations": list(holders)}
+        why = {}
+        if self.s.progress.step > max(durable, 0) and self.plan is not None:
+            # A restore that loses steps: say why memory could not serve it.
+            why = {"reason": "no snapshot the live nodes hold whole is newer"
+                   + (f" (newest: step {step})" if step > 0 else "")}
         if durable >= 0:
-            return {"source": "checkpoint", "step": c.step, "locations": [c.path]}
-        return {"source": "init", "step": 0, "locations": []}
+            return {"source": "checkpoint", "step": c.step, "locations": [c.path], **why}
+        return {"source": "init", "step": 0, "locations": [], **why}
 
     def _start(self, candidate: Plan, reason: str) -> None:
         self.actions.append(StartGeneration(candidate, reason))

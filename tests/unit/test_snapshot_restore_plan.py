@@ -103,3 +103,13 @@ def test_snapshots_of_an_earlier_job_submission_are_never_restored():
     del held["b"]
     r = only(decide(failed_b(holdings=held)), StartGeneration).plan.restore
     assert (r.source, r.step) == ("checkpoint", 40)
+
+
+def test_a_restore_that_loses_steps_says_why_memory_could_not_serve_it():
+    held = ring_of_three(41)
+    del held["b"], held["c"]  # b's only copy was on c
+    s = snap(members=("a",), missing_since={"b": NOW - 1, "c": NOW - 1},
+             probes={n: ProbeResult(False, NOW - 0.5) for n in "bc"}, holdings=held)
+    r = only(decide(s), StartGeneration).plan.restore
+    assert (r.source, r.step) == ("checkpoint", 40)
+    assert r.reason == "no snapshot the live nodes hold whole is newer"
