@@ -16,8 +16,11 @@ from checkpoint.snapshot_format import (
     SnapshotInvalid,
     SnapshotManifest,
     chunk_span,
+    parse_record,
     parse_step_dir,
     read_manifest,
+    record_name,
+    record_rank,
     step_dir,
     verify_span,
 )
@@ -51,6 +54,8 @@ class SnapshotStore:
             try:
                 if (directory / entry.path).stat().st_size != entry.size:
                     return False
+                if entry.chunks is None and not (directory / record_name(entry.rank)).is_file():
+                    return False  # a shard is whole once its record is written after it
             except FileNotFoundError:
                 return False
         return True
@@ -99,8 +104,19 @@ class SnapshotStore:
         directory = step_dir(self.root, step)
         if file == MANIFEST_NAME:
             return self.manifest(step).to_bytes()
+        if record_rank(file) is not None:
+            try:
+                return (directory / file).read_bytes()  # the reader checks it
+            except FileNotFoundError:
+                raise SnapshotInvalid(f"snapshot step {step}: record {file} is missing") from None
         entry = self.manifest(step).file(file)
         where = f"snapshot step {step}: file {file} (rank {entry.rank})"
+        if entry.chunks is None:
+            try:
+                entry = parse_record((directory / record_name(entry.rank)).read_bytes(), step,
+                                     entry, where)
+            except FileNotFoundError:
+                raise SnapshotInvalid(f"{where}: its record is missing") from None
         if length == -1:
             length = entry.size - offset
         start, end = chunk_span(entry, offset, length, where)

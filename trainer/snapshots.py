@@ -20,7 +20,12 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from checkpoint.snapshot_format import SnapshotInvalid
 from checkpoint.snapshot_reader import Fetch, load_snapshot
-from checkpoint.snapshot_writer import save_snapshot
+from checkpoint.snapshot_writer import (
+    CoordinatorTemplate,
+    Template,
+    rewrite_snapshot,
+    save_snapshot,
+)
 from checkpoint.state import TrainState
 
 
@@ -50,27 +55,43 @@ class CountingFetch:
 
 
 class Snapshots:
-    """This rank's snapshots: when they are due, and taking one without ever failing the step."""
+    """This rank's snapshots in one generation: when they are due, and taking one without ever
+    failing the step.
+
+    The first is a full DCP save (collective: it plans where every item goes and writes the
+    metadata); every later one rewrites the same items at the same offsets with no collective at
+    all (`rewrite_snapshot`), so a step pays about a memory copy and its checksums.
+    """
 
     def __init__(self, root: Path, every: int, layout: dict[str, Any],
                  log: Callable[[str], None]) -> None:
         self.root, self.every, self.layout, self.log = Path(root), every, layout, log
         self.blocking_seconds = 0.0  # the last snapshot's time on the training path
         self.failures = 0
+        self._template: Template | None = None
+        self._coordinator: CoordinatorTemplate | None = None
 
     def due(self, step: int) -> bool:
         return self.every > 0 and step % self.every == 0
 
     def take(self, state: TrainState) -> bool:
-        """Snapshot `state` now. A failure (shared memory full) is logged, not raised: every
-        rank sees it (DCP gathers failures), the step is committed, only protection is lost."""
+        """Snapshot `state` now. A failure (shared memory full) is logged, not raised: the step
+        is committed, only protection is lost. The full save fails on every rank alike (DCP
+        gathers failures), so every rank tries it again at the next snapshot; a rewrite fails
+        on its rank alone, and that step cannot be assembled."""
         started = time.perf_counter()
         try:
-            save_snapshot(state, self.root, layout=self.layout)
-        except (CheckpointException, OSError) as exc:
+            if self._template is None:
+                writer = save_snapshot(state, self.root, layout=self.layout)
+                self._template, self._coordinator = writer.template, writer.coordinator
+            else:
+                rewrite_snapshot(state, self.root, self._template, self._coordinator,
+                                 layout=self.layout)
+        except (CheckpointException, OSError, ValueError) as exc:
             self.failures += 1
-            if dist.get_rank() == 0:
-                self.log(f"snapshot of step {state.progress.step} failed: {exc}"[:500])
+            if self.failures == 1 or dist.get_rank() == 0:
+                self.log(f"snapshot of step {state.progress.step} failed on rank "
+                         f"{dist.get_rank()}: {exc}"[:500])
             return False
         self.blocking_seconds = time.perf_counter() - started
         return True

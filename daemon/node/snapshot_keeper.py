@@ -22,7 +22,6 @@ import contextlib
 import json
 import logging
 import os
-import re
 import shutil
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
@@ -39,6 +38,8 @@ from checkpoint.snapshot_format import (
     parse_step_dir,
     read_manifest,
     record_name,
+    record_rank,
+    shard_rank,
     snapshot_root,
     step_dir,
     verify_span,
@@ -54,12 +55,6 @@ from daemon.control.view import ClusterView
 log = logging.getLogger(__name__)
 
 PIECE_BYTES = 1 << 20  # one gRPC message of file data (gRPC's default limit is 4 MiB)
-_SHARD = re.compile(r"rank_(\d{5,})\.distcp")
-
-
-def shard_rank(file: str) -> int | None:
-    match = _SHARD.fullmatch(file)
-    return int(match.group(1)) if match else None
 
 
 @dataclass(frozen=True)
@@ -192,8 +187,7 @@ class SnapshotKeeper:
                 rank = shard_rank(name)
                 if rank is None:
                     continue
-                entry = manifest.file(name) if manifest is not None else self._record(
-                    directory, rank)
+                entry = self._record(directory, rank)  # written after the shard: it is whole
                 size = _size(directory / name)
                 if entry is not None and size == entry.size:
                     ranks.append(rank)
@@ -216,8 +210,8 @@ class SnapshotKeeper:
     def read(self, step: int, file: str, offset: int, length: int) -> bytes | None:
         """Raw bytes of a file held here (None: not here). Readers verify them themselves."""
         path = step_dir(self.root, step) / file
-        if "/" in file or file.startswith("..") or not (shard_rank(file) is not None
-                                                       or file in (METADATA_NAME, MANIFEST_NAME)):
+        if shard_rank(file) is None and record_rank(file) is None \
+                and file not in (METADATA_NAME, MANIFEST_NAME):
             raise ValueError(f"file: not a snapshot file name ({file!r})")
         try:
             fd = os.open(path, os.O_RDONLY)
@@ -234,6 +228,7 @@ class SnapshotKeeper:
     def holder(self, step: int, file: str) -> str | None:
         """The address of a live peer that holds `file` of `step`, per the published holdings."""
         rank = shard_rank(file)
+        rank = record_rank(file) if rank is None else rank
         for node, h in sorted(self.view.snapshots.items()):
             if node == self.node or node not in self.view.nodes:
                 continue
@@ -297,7 +292,7 @@ class SnapshotKeeper:
                 rank = shard_rank(name)
                 if rank is None or (step, name) in self._received or buddy is None:
                     continue
-                entry = manifest.file(name) if manifest else self._record(directory, rank)
+                entry = self._record(directory, rank)
                 if entry is not None and _size(directory / name) == entry.size:
                     await self._send_to(buddy, step, directory, entry)
             if manifest is not None and (step, MANIFEST_NAME) not in self._received:

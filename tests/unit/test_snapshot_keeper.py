@@ -18,10 +18,11 @@ from checkpoint.snapshot_format import (
     chunk_checksums,
     record_name,
     shard_name,
+    shard_rank,
     step_dir,
 )
 from daemon.control.records import HeldStep, SnapshotHoldings
-from daemon.node.snapshot_keeper import Incoming, SnapshotKeeper, shard_rank
+from daemon.node.snapshot_keeper import Incoming, SnapshotKeeper
 from tests.unit.test_snapshot_store import make_step
 
 pytestmark = pytest.mark.unit
