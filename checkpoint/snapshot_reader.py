@@ -159,7 +159,13 @@ class SnapshotReader(StorageReader):
             if data is None:  # a planner that changed the plan after prepare_local_plan
                 data = self._get(item.file, item.offset, item.length)
             if read_item.type == LoadItemType.BYTE_IO:
-                planner.load_bytes(read_item, io.BytesIO(unslot(data, self.step, item.file)))
+                # Stored as a plain pickle (snapshot_writer._pickled); the planner wants DCP's
+                # torch.save form. The bytes passed their checksums.
+                value = pickle.loads(unslot(data, self.step, item.file))
+                buffer = io.BytesIO()
+                torch.save(value, buffer)
+                buffer.seek(0)
+                planner.load_bytes(read_item, buffer)
                 continue
             if item.dtype is None:
                 raise SnapshotInvalid(
