@@ -29,7 +29,7 @@ from daemon.api.probes import agent_probes, start_probe_server
 from daemon.api.snapshot_service import SnapshotPeerService
 from daemon.config import AgentConfig
 from daemon.control.etcd_client import parse_endpoints
-from daemon.node.snapshot_keeper import Incoming
+from daemon.node.snapshot_files import Incoming
 from daemon.node.worker_service import WorkerControlService
 from daemon.tls_files import client_credentials
 from proto.ultrascale.v1 import agent_pb2 as pb

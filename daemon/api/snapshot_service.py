@@ -13,7 +13,8 @@ from collections.abc import AsyncIterator
 import grpc
 
 from checkpoint.snapshot_format import SnapshotInvalid
-from daemon.node.snapshot_keeper import PIECE_BYTES, Incoming, SnapshotKeeper
+from daemon.node.snapshot_files import PIECE_BYTES, Incoming
+from daemon.node.snapshot_keeper import SnapshotKeeper
 from proto.ultrascale.v1 import agent_pb2 as pb
 from proto.ultrascale.v1 import agent_pb2_grpc as pb_grpc
 

@@ -24,7 +24,6 @@ import logging
 import os
 import shutil
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass
 from pathlib import Path
 
 from checkpoint.snapshot_format import (
@@ -36,7 +35,6 @@ from checkpoint.snapshot_format import (
     SnapshotManifest,
     chunk_checksums,
     parse_step_dir,
-    read_manifest,
     record_name,
     record_rank,
     shard_rank,
@@ -51,21 +49,16 @@ from daemon.control.etcd_client import ETCD_ERRORS, Etcd
 from daemon.control.keys import Keys
 from daemon.control.records import HeldStep, SnapshotHoldings
 from daemon.control.view import ClusterView
+from daemon.node.snapshot_files import (
+    Incoming,
+    file_pieces,
+    listdir,
+    parse_step_manifest,
+    size_of,
+)
 
 log = logging.getLogger(__name__)
 
-PIECE_BYTES = 1 << 20  # one gRPC message of file data (gRPC's default limit is 4 MiB)
-
-
-@dataclass(frozen=True)
-class Incoming:
-    """The header of a file a peer sends (the first message of PutFile)."""
-
-    step: int
-    file: str
-    size: int
-    chunks: tuple[int, ...]
-    rank: int
 
 
 # send(address, header, pieces): one PutFile call to a peer (api/snapshot_service.py).
@@ -87,6 +80,9 @@ class SnapshotKeeper:
         self._received: set[tuple[int, str]] = set()
         self._published: tuple[int, SnapshotHoldings] | None = None  # (lease, holdings)
         self._spec_revision = 0  # the job submission the snapshots here belong to
+        self._cache: dict[Path, tuple[tuple[int, int, int], object]] = {}
+        self._last_signature: tuple[object, ...] = ()
+        self._retry = False  # a send or publication failed: work again at the next poll
         self.bytes_held = 0
         self.replicated_bytes = 0
         self.served_local_bytes = 0  # to this node's restoring workers, from its own memory
@@ -121,16 +117,37 @@ class SnapshotKeeper:
                 async with asyncio.timeout(self.poll_s):
                     await self.wake.wait()
             self.wake.clear()
-            self._follow_job()
-            await self._replicate()
-            self._prune()
-            try:
-                await self._publish()
-            except ETCD_ERRORS as exc:
-                log.warning("snapshot holdings not published (%s); retrying", type(exc).__name__)
+            signature = self._signature()
+            if signature != self._last_signature or self._retry:
+                # Something changed here (a file written, received or freed) or in the
+                # cluster (a new generation, a node came or went), or a send must be retried.
+                self._retry = False
+                self._follow_job()
+                await self._replicate()
+                self._prune()
+                try:
+                    await self._publish()
+                except ETCD_ERRORS as exc:
+                    self._retry = True
+                    log.warning("snapshot holdings not published (%s); retrying",
+                                type(exc).__name__)
+                self._last_signature = self._signature()
             live = {n: h for n, h in self.view.snapshots.items()
                     if n in self.view.nodes and h.spec_revision == self._spec_revision}
             self.on_held(self.bytes_held, newest_assemblable(live)[0], self.view.progress.step)
+
+    def _signature(self) -> tuple[object, ...]:
+        """What the keeper's work depends on, cheaply: the root's and each step directory's
+        mtime (files appear in them by create or rename), the generation, the live nodes, the
+        lease and the job. Unchanged, a poll does nothing (most polls, between two steps)."""
+        try:
+            dirs = tuple(sorted((e.name, e.stat().st_mtime_ns) for e in os.scandir(self.root)
+                                if e.is_dir()))
+        except FileNotFoundError:
+            dirs = ()
+        spec = self.view.spec
+        return (dirs, self.view.generation, tuple(sorted(self.view.nodes)), self.lease(),
+                spec.mod_revision if spec is not None else 0)
 
     def _follow_job(self) -> None:
         """A new job submission makes every snapshot held here worthless: free them."""
@@ -169,13 +186,31 @@ class SnapshotKeeper:
                     found[step] = Path(entry.path)
         return found
 
-    @staticmethod
-    def _record(directory: Path, rank: int) -> FileEntry | None:
+    def _parsed(self, path: Path, parse: Callable[[bytes], object]) -> object | None:
+        """`parse(bytes of path)`, cached while the file's inode, size and mtime stay the same
+        (files are replaced by rename, never rewritten in place): the keeper looks at every
+        held file every poll, and parsing them all again cost an agent 10% of a core."""
         try:
-            raw = json.loads((directory / record_name(rank)).read_bytes())
-            return FileEntry.from_json(raw, record_name(rank))
-        except (OSError, ValueError, SnapshotInvalid):
+            st = os.stat(path)
+        except FileNotFoundError:
+            self._cache.pop(path, None)
             return None
+        key = (st.st_ino, st.st_size, st.st_mtime_ns)
+        cached = self._cache.get(path)
+        if cached is not None and cached[0] == key:
+            return cached[1]
+        try:
+            value = parse(path.read_bytes())
+        except (OSError, ValueError, SnapshotInvalid):
+            value = None
+        self._cache[path] = (key, value)
+        return value
+
+    def _record(self, directory: Path, rank: int) -> FileEntry | None:
+        name = record_name(rank)
+        value = self._parsed(directory / name,
+                             lambda raw: FileEntry.from_json(json.loads(raw), name))
+        return value if isinstance(value, FileEntry) else None
 
     def held(self) -> tuple[HeldStep, ...]:
         """Every step with at least one whole shard or a manifest here, oldest first."""
@@ -183,16 +218,16 @@ class SnapshotKeeper:
         for step, directory in sorted(self._steps().items()):
             manifest = self._manifest(directory, step)
             ranks = []
-            for name in _listdir(directory):
+            for name in listdir(directory):
                 rank = shard_rank(name)
                 if rank is None:
                     continue
                 entry = self._record(directory, rank)  # written after the shard: it is whole
-                size = _size(directory / name)
+                size = size_of(directory / name)
                 if entry is not None and size == entry.size:
                     ranks.append(rank)
                     total += size
-            metadata = manifest is not None and _size(directory / METADATA_NAME) == \
+            metadata = manifest is not None and size_of(directory / METADATA_NAME) == \
                 manifest.file(METADATA_NAME).size
             if ranks or metadata:
                 out.append(HeldStep(step, tuple(sorted(ranks)),
@@ -200,12 +235,9 @@ class SnapshotKeeper:
         self.bytes_held = total
         return tuple(out)
 
-    @staticmethod
-    def _manifest(directory: Path, step: int) -> SnapshotManifest | None:
-        try:
-            return read_manifest(directory, step)
-        except SnapshotInvalid:
-            return None
+    def _manifest(self, directory: Path, step: int) -> SnapshotManifest | None:
+        value = self._parsed(directory / MANIFEST_NAME, lambda raw: parse_step_manifest(raw, step))
+        return value if isinstance(value, SnapshotManifest) else None
 
     def read(self, step: int, file: str, offset: int, length: int) -> bytes | None:
         """Raw bytes of a file held here (None: not here). Readers verify them themselves."""
@@ -286,14 +318,14 @@ class SnapshotKeeper:
         buddy = self._buddy()
         for step in sorted(steps)[-(self.keep + 1):]:
             directory = steps[step]
-            names = set(_listdir(directory))
+            names = set(listdir(directory))
             manifest = self._manifest(directory, step) if MANIFEST_NAME in names else None
             for name in sorted(names):
                 rank = shard_rank(name)
                 if rank is None or (step, name) in self._received or buddy is None:
                     continue
                 entry = self._record(directory, rank)
-                if entry is not None and _size(directory / name) == entry.size:
+                if entry is not None and size_of(directory / name) == entry.size:
                     await self._send_to(buddy, step, directory, entry)
             if manifest is not None and (step, MANIFEST_NAME) not in self._received:
                 # The coordinator's node: .metadata, then the manifest, to every member.
@@ -313,13 +345,14 @@ class SnapshotKeeper:
         if node in done or member is None:
             return
         header = Incoming(step, entry.path, entry.size, entry.chunks, entry.rank)
-        if _size(directory / entry.path) != entry.size:
+        if size_of(directory / entry.path) != entry.size:
             return  # freed meanwhile
         try:
-            await self.send(member.record.address, header, _pieces(directory / entry.path))
+            await self.send(member.record.address, header, file_pieces(directory / entry.path))
         except Exception as exc:  # noqa: BLE001 - a peer's failure must not end the keeper
             log.warning("snapshot step %d: sending %s to %s failed: %s", step, entry.path,
                         node, str(exc)[:300])
+            self._retry = True
             return
         done.add(node)
         self.replicated_bytes += entry.size
@@ -344,6 +377,8 @@ class SnapshotKeeper:
                 shutil.rmtree(steps[step], ignore_errors=True)
         for key in [k for k in self._sent if k[0] < oldest_kept]:
             del self._sent[key]
+        live = {steps[s] for s in steps if s >= oldest_kept}
+        self._cache = {p: v for p, v in self._cache.items() if p.parent in live}
         self._received = {k for k in self._received if k[0] >= oldest_kept}
 
     async def _publish(self) -> None:
@@ -356,32 +391,3 @@ class SnapshotKeeper:
         await self.etcd.put(self.keys.snapshot_holdings(self.node), holdings.to_json(),
                             lease=lease)
         self._published = (lease, holdings)
-
-
-async def _pieces(path: Path) -> AsyncIterator[bytes]:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        offset = 0
-        while True:
-            piece = os.pread(fd, PIECE_BYTES, offset)
-            if not piece:
-                return
-            offset += len(piece)
-            yield piece
-    finally:
-        os.close(fd)
-
-
-def _listdir(directory: Path) -> list[str]:
-    try:
-        return os.listdir(directory)
-    except FileNotFoundError:
-        return []
-
-
-def _size(path: Path) -> int:
-    try:
-        return path.stat().st_size
-    except FileNotFoundError:
-        return -1
-

@@ -23,7 +23,8 @@ import grpc
 
 from daemon.control.records import FailureKind
 from daemon.control.view import ClusterView
-from daemon.node.snapshot_keeper import PIECE_BYTES, SnapshotKeeper
+from daemon.node.snapshot_files import PIECE_BYTES
+from daemon.node.snapshot_keeper import SnapshotKeeper
 from proto.ultrascale.v1 import agent_pb2 as pb
 from proto.ultrascale.v1 import agent_pb2_grpc as pb_grpc
 

@@ -22,7 +22,8 @@ from checkpoint.snapshot_format import (
     step_dir,
 )
 from daemon.control.records import HeldStep, SnapshotHoldings
-from daemon.node.snapshot_keeper import Incoming, SnapshotKeeper
+from daemon.node.snapshot_files import Incoming
+from daemon.node.snapshot_keeper import SnapshotKeeper
 from tests.unit.test_snapshot_store import make_step
 
 pytestmark = pytest.mark.unit
