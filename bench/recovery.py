@@ -1,6 +1,7 @@
 """Recovery after `kill -9` of one of 3 nodes: ultrad against torchrun's elastic c10d rendezvous.
 
-    python -m bench.recovery [--runs 3] [--arms ultrad,torchrun-default,torchrun-tuned]
+    python -m bench.recovery [--runs 3]
+        [--arms ultrad,ultrad-disk,ultrad-kill-leader,torchrun-default,torchrun-tuned]
                              [--kill-step 8] [--workdir DIR] [--keep]
 
 Every arm trains the same small job (a 2-layer GQA Llama on a synthetic token file, global batch
@@ -20,9 +21,13 @@ from the kill to:
              line of the new generation; torchrun: when the first JSON step line printed after
              the restarted workers' "resume:" line reaches the bench).
 
-The killed node is never the one hosting the control plane's store: ultrad's leader (it hosts
-the generation's TCPStore) and torchrun's rendezvous host (the first agent, which binds the
---rdzv-endpoint port); losing those is a different experiment.
+ultrad arms: `ultrad` restores from the in-memory snapshots (every step, replicated to a buddy
+node; docs/snapshots.md), `ultrad-disk` turns them off (`checkpoint.snapshot_every=0`) and
+restores from the durable checkpoint, and both kill a node that is not the leader's;
+`ultrad-kill-leader` kills the leader's node (it hosts the generation's TCPStore): a survivor
+revokes its lease and a new leader is elected at once. "steps re-run" counts committed steps
+trained again (the step in flight when the node died is not counted). torchrun's victim is never
+its rendezvous host (the first agent, which binds the --rdzv-endpoint port).
 
 torchrun arms (`python -m torch.distributed.run --nnodes=2:3 --nproc-per-node=1 --max-restarts=3
 --rdzv-backend=c10d --rdzv-endpoint=127.0.0.1:PORT -m trainer --config JOB --resume
@@ -64,6 +69,8 @@ TTL = 2
 TUNED = "last_call_timeout=1,join_timeout=60,keep_alive_interval=1,keep_alive_max_attempt=2"
 ARMS = {
     "ultrad": None,
+    "ultrad-disk": None,
+    "ultrad-kill-leader": None,
     "torchrun-default": "",
     "torchrun-lastcall": "last_call_timeout=1,join_timeout=60",
     "torchrun-tuned": TUNED,
@@ -73,7 +80,10 @@ ARMS = {
 # the restarted 2-rank world hung here: gloo's connectFullMesh read a bogus peer address
 # ("[127.0.0.1]:1932$1") and rank 0 never came up; --torchrun-share-store brings it back.
 TORCHRUN_ENV: dict[str, str] = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
-METRICS = ("detect", "rdzv", "restore", "first_step")
+METRICS = ("detect", "rdzv", "restore", "first_step", "rerun")
+# ultrad arms: (restore from in-memory snapshots, kill the leader's node instead of another)
+ULTRAD_ARMS = {"ultrad": (True, False), "ultrad-disk": (False, False),
+               "ultrad-kill-leader": (True, True)}
 
 
 @dataclass
@@ -84,6 +94,7 @@ class Result:
     rdzv: float | None = None
     restore: float | None = None
     first_step: float | None = None
+    rerun: float | None = None  # committed steps trained again (the step in flight is not one)
     extra: dict[str, Any] = field(default_factory=dict)
     error: str = ""
 
@@ -186,13 +197,14 @@ def _wait(predicate, timeout: float, what: str, interval: float = 0.05):
 # -- ultrad -----------------------------------------------------------------------------------
 
 
-def run_ultrad(work: Path, job: Path, kill_step: int, run: int) -> Result:
+def run_ultrad(work: Path, job: Path, kill_step: int, run: int, arm: str = "ultrad") -> Result:
     import grpc
 
     from daemon.cli.local import LocalCluster, _call
     from proto.ultrascale.v1 import agent_pb2 as pb
 
-    res = Result("ultrad", run)
+    snapshots, kill_leader = ULTRAD_ARMS[arm]
+    res = Result(arm, run)
     os.environ.update({"OMP_NUM_THREADS": "1"})
     cluster = LocalCluster(work / "state", 3, 1, ttl=TTL)
     output = work / "output"
@@ -215,8 +227,10 @@ def run_ultrad(work: Path, job: Path, kill_step: int, run: int) -> Result:
         def call(method: str, request: object) -> Any:
             return _call(cluster, token, method, request)
 
-        call("SubmitJob", pb.SubmitJobRequest(spec_toml=job.read_text(),
-                                              overrides=[f'job.output_dir="{output}"']))
+        overrides = [f'job.output_dir="{output}"']
+        if not snapshots:
+            overrides.append("checkpoint.snapshot_every=0")
+        call("SubmitJob", pb.SubmitJobRequest(spec_toml=job.read_text(), overrides=overrides))
 
         def at_kill_step() -> bool:
             for proc in cluster.agents.values():
@@ -226,7 +240,8 @@ def run_ultrad(work: Path, job: Path, kill_step: int, run: int) -> Result:
         _wait(at_kill_step, 180, f"step {kill_step}")
         status = call("GetStatus", pb.GetStatusRequest())
         leader, generation = status.leader, status.generation
-        victim = next(n for n in ("node-2", "node-1", "node-0") if n != leader)
+        victim = leader if kill_leader else next(
+            n for n in ("node-2", "node-1", "node-0") if n != leader)
         t_kill = kill_node(cluster.agents[victim].pid)
         res.extra.update(victim=victim, leader=leader)
 
@@ -235,10 +250,15 @@ def run_ultrad(work: Path, job: Path, kill_step: int, run: int) -> Result:
 
         first = _wait(recovered, 240, "the first step of the next generation")
         res.first_step = first["time"] - t_kill
+        before = [x["step"] for x in lines() if x["generation"] <= generation]
+        res.rerun = max(0, max(before, default=0) - (first["step"] - 1))
         res.restore = first["time"] - first["step_seconds"] - t_kill
         res.extra.update(generation=first["generation"], world=first["world_size"],
                          resumed_at_step=first["step"])
-        # The leader's log: failure confirmed, then the next generation written.
+        # The (new) leader's log: failure confirmed, then the next generation written.
+        if kill_leader:
+            leader = call("GetStatus", pb.GetStatusRequest()).leader
+            res.extra["new_leader"] = leader
         leader_log = (cluster.state_dir / leader / "ultrad.log").read_text(errors="replace")
         for line in leader_log.splitlines():
             t = _log_time(line)
@@ -439,7 +459,7 @@ def _fmt(x: float | None) -> str:
 def table(results: list[Result], arms: list[str]) -> str:
     med: dict[str, dict[str, float | None]] = {}
     rows = [["arm", "runs ok", "detect s", "re-rdzv s", "restore s", "kill→first step s",
-             "first step / ultrad"]]
+             "steps re-run", "first step / ultrad"]]
     for arm in arms:
         ok = [r for r in results if r.arm == arm and not r.error]
         med[arm] = {}
@@ -463,7 +483,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.recovery", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--runs", type=int, default=3)
-    p.add_argument("--arms", default="ultrad,torchrun-default,torchrun-tuned",
+    p.add_argument("--arms", default="ultrad,ultrad-disk,ultrad-kill-leader,torchrun-default,"
+                                     "torchrun-tuned",
                    help=f"comma-separated, from {','.join(ARMS)}")
     p.add_argument("--kill-step", type=int, default=8)
     p.add_argument("--workdir", default="", help="default: a temporary directory")
@@ -491,13 +512,14 @@ def main(argv: list[str] | None = None) -> int:
             shutil.rmtree(work, ignore_errors=True)
             work.mkdir(parents=True)
             started = time.monotonic()
-            if arm == "ultrad":
-                res = run_ultrad(work, job, args.kill_step, run)
+            if arm in ULTRAD_ARMS:
+                res = run_ultrad(work, job, args.kill_step, run, arm)
             else:
                 res = run_torchrun(arm, ARMS[arm] or "", work, job, args.kill_step, run)
             results.append(res)
             print(f"  {arm} run {run}: detect {_fmt(res.detect)}  rdzv {_fmt(res.rdzv)}  "
                   f"restore {_fmt(res.restore)}  first step {_fmt(res.first_step)}  "
+                  f"re-run {_fmt(res.rerun)}  "
                   f"{json.dumps(res.extra)}  ({time.monotonic() - started:.0f}s)"
                   + (f"  FAILED: {res.error}" if res.error else ""), file=sys.stderr, flush=True)
     print()

@@ -6,7 +6,10 @@ One gloo rank holds an MLP of `size-mb` MB of fp32 parameters plus AdamW's two m
 state is 3x that). For each size, medians of `runs`:
 
 - memcpy: cloning every state tensor (the floor any in-memory copy pays);
-- snapshot: `save_snapshot` into /dev/shm, end to end, and its copy and checksum parts;
+- snapshot: `save_snapshot` into /dev/shm, end to end, and its copy and checksum parts (the
+  first snapshot of a generation: a full DCP save);
+- rewrite: `rewrite_snapshot`, every later snapshot of a generation (the same layout rewritten
+  in place, no planning, no collective), and its parts;
 - async_save staging: the time `dcp.async_save` blocks the caller (planning + staging the state
   to CPU memory) before it writes a durable checkpoint in the background.
 
@@ -30,7 +33,7 @@ from torch import nn
 
 from checkpoint.snapshot_reader import load_snapshot, local_fetch
 from checkpoint.snapshot_store import SnapshotStore
-from checkpoint.snapshot_writer import save_snapshot
+from checkpoint.snapshot_writer import rewrite_snapshot, save_snapshot
 from checkpoint.state import Progress, TrainState
 
 WIDTH = 1024
@@ -59,7 +62,8 @@ def _state_bytes(state: TrainState) -> int:
 
 def _measure(size_mb: int, runs: int) -> dict[str, list[float]]:
     state = _state(size_mb)
-    times: dict[str, list[float]] = {k: [] for k in ("memcpy", "snapshot", "copy", "checksum", "async")}
+    times: dict[str, list[float]] = {k: [] for k in ("memcpy", "snapshot", "copy", "checksum",
+                                                     "rewrite", "rcopy", "rchecksum", "async")}
     root = Path(tempfile.mkdtemp(dir="/dev/shm", prefix="ultrascale-bench-"))
     durable = Path(tempfile.mkdtemp(prefix="ultrascale-bench-"))
     try:
@@ -74,6 +78,15 @@ def _measure(size_mb: int, runs: int) -> dict[str, list[float]]:
             times["snapshot"].append(time.perf_counter() - started)
             times["copy"].append(writer.copy_seconds)
             times["checksum"].append(writer.checksum_seconds)
+            # Every later snapshot of a generation: the same layout, rewritten in place.
+            state.progress.step = run + runs
+            started = time.perf_counter()
+            again = rewrite_snapshot(state, root, writer.template, writer.coordinator,
+                                     layout={"dp": 1})
+            times["rewrite"].append(time.perf_counter() - started)
+            times["rcopy"].append(again.copy_seconds)
+            times["rchecksum"].append(again.checksum_seconds)
+            state.progress.step = run
             SnapshotStore(root).prune()
             started = time.perf_counter()
             future = dcp.async_save({"state": state}, checkpoint_id=str(durable / f"step_{run}"))
@@ -82,7 +95,7 @@ def _measure(size_mb: int, runs: int) -> dict[str, list[float]]:
         saved = [t.clone() for t in _tensors(state)]
         for t in _tensors(state):
             t.zero_()
-        load_snapshot(state, runs, local_fetch(root, runs))
+        load_snapshot(state, 2 * runs, local_fetch(root, 2 * runs))  # the last rewrite
         assert all(torch.equal(a, b) for a, b in zip(saved, _tensors(state), strict=True))
         times["bytes"] = [float(_state_bytes(state))]
     finally:
@@ -112,6 +125,9 @@ def main(argv: list[str] | None = None) -> int:
                 "snapshot": "snapshot (blocking)",
                 "copy": "  of which copy",
                 "checksum": "  of which crc32c",
+                "rewrite": "rewrite (blocking)",
+                "rcopy": "  of which copy",
+                "rchecksum": "  of which crc32c",
                 "async": "async_save staging",
             }
             for key, name in names.items():

@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import struct
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -25,7 +26,7 @@ from typing import Any
 import crc32c
 
 FORMAT = "ultrascale-snapshot"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 MANIFEST_NAME = "manifest.json"
 METADATA_NAME = ".metadata"
 # 4 MiB: big enough that per-chunk overhead is noise, small enough that a byte-range read
@@ -61,6 +62,8 @@ def chunk_span(entry: FileEntry, offset: int, length: int, where: str) -> tuple[
 
 def verify_span(entry: FileEntry, start: int, end: int, data: bytes, where: str) -> None:
     """Check `data`, meant to be bytes [start, end) of `entry` (from `chunk_span`)."""
+    if entry.chunks is None:
+        raise SnapshotInvalid(f"{where}: no checksums to verify against (its record is needed)")
     if len(data) != end - start:
         raise SnapshotInvalid(
             f"{where} is truncated: got {len(data)} of bytes [{start}, {end}), "
@@ -70,6 +73,27 @@ def verify_span(entry: FileEntry, start: int, end: int, data: bytes, where: str)
         index = (start + pos) // CHUNK_BYTES
         if checksum(data[pos : pos + CHUNK_BYTES]) != entry.chunks[index]:
             raise SnapshotInvalid(f"{where}: checksum mismatch in chunk {index} (bytes {start + pos}+)")
+
+
+# A byte item (DCP's pickled non-tensor values: progress, optimizer hyper-parameters) is stored
+# in a slot: its length (4 bytes, little-endian), the bytes, then zeros up to the slot's size.
+# The slot leaves room to grow, so later snapshots of a generation rewrite every item in place.
+SLOT_SLACK = 256
+
+
+def slot(data: bytes, size: int | None = None) -> bytes:
+    """`data` in a slot of `size` bytes (default: with SLOT_SLACK to grow); ValueError when it
+    does not fit."""
+    size = 4 + len(data) + SLOT_SLACK if size is None else size
+    if 4 + len(data) > size:
+        raise ValueError(f"{len(data)} bytes do not fit a slot of {size}")
+    return struct.pack("<I", len(data)) + data + bytes(size - 4 - len(data))
+
+
+def unslot(data: bytes, step: int, file: str) -> bytes:
+    if len(data) < 4 or struct.unpack("<I", data[:4])[0] > len(data) - 4:
+        raise SnapshotInvalid(f"snapshot step {step}: file {file}: a byte item's slot is damaged")
+    return data[4:4 + struct.unpack("<I", data[:4])[0]]
 
 
 def snapshot_root(job: str, base: Path = DEFAULT_BASE) -> Path:
@@ -98,6 +122,38 @@ def record_name(rank: int) -> str:
     return f"rank_{rank:05d}.json"
 
 
+_SHARD = re.compile(r"rank_(\d{5,})\.distcp")
+_RECORD = re.compile(r"rank_(\d{5,})\.json")
+
+
+def shard_rank(file: str) -> int | None:
+    """The rank of a shard file's name (rank_<r>.distcp); None for any other name."""
+    match = _SHARD.fullmatch(file)
+    return int(match.group(1)) if match else None
+
+
+def record_rank(file: str) -> int | None:
+    """The rank of a shard record's name (rank_<r>.json); None for any other name."""
+    match = _RECORD.fullmatch(file)
+    return int(match.group(1)) if match else None
+
+
+def parse_record(data: bytes, step: int, entry: FileEntry, where: str) -> FileEntry:
+    """A rank's record of its shard, checked against the manifest's entry for it."""
+    try:
+        raw = json.loads(data)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise SnapshotInvalid(f"{where}: its record is not valid JSON ({exc})") from None
+    if not isinstance(raw, dict) or raw.get("step") != step:
+        raise SnapshotInvalid(f"{where}: its record is not one of step {step}")
+    record = FileEntry.from_json(raw, f"{where} record")
+    if record.chunks is None or (record.path, record.rank, record.size) != (
+            entry.path, entry.rank, entry.size):
+        raise SnapshotInvalid(f"{where}: its record ({record.path}, rank {record.rank}, "
+                              f"{record.size} bytes) does not match the manifest")
+    return record
+
+
 @dataclass(frozen=True)
 class SnapshotItem:
     """Where one DCP write item lives: DCP's per-item `storage_data` in `.metadata`."""
@@ -114,10 +170,13 @@ class FileEntry:
     path: str  # relative to the step directory
     rank: int  # the rank that wrote it (the coordinator for .metadata)
     size: int
-    chunks: tuple[int, ...]  # checksum of each CHUNK_BYTES slice, in order
+    # Checksum of each CHUNK_BYTES slice, in order. None in a manifest's shard entry: they are
+    # in the rank's own record (`rank_<r>.json`), written by the rank after its shard.
+    chunks: tuple[int, ...] | None
 
     def to_json(self) -> dict[str, Any]:
-        return {"path": self.path, "rank": self.rank, "size": self.size, "chunks": list(self.chunks)}
+        chunks = None if self.chunks is None else list(self.chunks)
+        return {"path": self.path, "rank": self.rank, "size": self.size, "chunks": chunks}
 
     @classmethod
     def from_json(cls, raw: Any, where: str) -> FileEntry:
@@ -129,6 +188,8 @@ class FileEntry:
         for name, value in (("rank", rank), ("size", size)):
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise SnapshotInvalid(f"{where} ({path}): field '{name}' must be an int >= 0 (got {value!r})")
+        if chunks is None and shard_rank(path) is not None:
+            return cls(path=path, rank=rank, size=size, chunks=None)
         if not isinstance(chunks, list) or not all(isinstance(c, int) for c in chunks):
             raise SnapshotInvalid(f"{where} ({path}): field 'chunks' must be a list of ints")
         if len(chunks) != -(-size // CHUNK_BYTES):

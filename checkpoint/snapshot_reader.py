@@ -33,10 +33,14 @@ from torch.futures import Future
 from checkpoint.snapshot_format import (
     MANIFEST_NAME,
     METADATA_NAME,
+    FileEntry,
     SnapshotInvalid,
     SnapshotItem,
     SnapshotManifest,
     chunk_span,
+    parse_record,
+    record_name,
+    unslot,
     verify_span,
 )
 from checkpoint.snapshot_store import SnapshotStore
@@ -53,6 +57,7 @@ class SnapshotReader(StorageReader):
         self.manifest: SnapshotManifest | None = None
         self.storage_data: dict[MetadataIndex, SnapshotItem] = {}
         self._verified: dict[MetadataIndex, bytes] = {}
+        self._records: dict[str, FileEntry] = {}
         # DCP turns a failed read_metadata into a bare AssertionError; load_snapshot re-raises
         # this instead.
         self.failure: SnapshotInvalid | None = None
@@ -62,11 +67,28 @@ class SnapshotReader(StorageReader):
             raise ValueError("SnapshotReader reads through its fetch; pass checkpoint_id=None")
         self._verified = {}
 
+    def _entry(self, file: str, where: str) -> FileEntry:
+        """The manifest's entry for `file`, with its chunk checksums: a shard's come from its
+        rank's record, fetched once."""
+        assert self.manifest is not None
+        entry = self.manifest.file(file)
+        if entry.chunks is not None:
+            return entry
+        if file not in self._records:
+            name = record_name(entry.rank)
+            try:
+                raw = self.fetch(name, 0, -1)
+            except (OSError, KeyError) as exc:
+                raise SnapshotInvalid(f"{where}: its record {name} could not be fetched: "
+                                      f"{exc}") from None
+            self._records[file] = parse_record(raw, self.step, entry, where)
+        return self._records[file]
+
     def _get(self, file: str, offset: int, length: int) -> bytes:
         """Bytes [offset, offset + length) of `file`, fetched chunk-aligned and verified."""
         assert self.manifest is not None
-        entry = self.manifest.file(file)
-        where = f"snapshot step {self.step}: file {file} (rank {entry.rank})"
+        where = f"snapshot step {self.step}: file {file} (rank {self.manifest.file(file).rank})"
+        entry = self._entry(file, where)
         start, end = chunk_span(entry, offset, length, where)
         try:
             data = self.fetch(file, start, end - start)
@@ -137,7 +159,13 @@ class SnapshotReader(StorageReader):
             if data is None:  # a planner that changed the plan after prepare_local_plan
                 data = self._get(item.file, item.offset, item.length)
             if read_item.type == LoadItemType.BYTE_IO:
-                planner.load_bytes(read_item, io.BytesIO(data))
+                # Stored as a plain pickle (snapshot_writer._pickled); the planner wants DCP's
+                # torch.save form. The bytes passed their checksums.
+                value = pickle.loads(unslot(data, self.step, item.file))
+                buffer = io.BytesIO()
+                torch.save(value, buffer)
+                buffer.seek(0)
+                planner.load_bytes(read_item, buffer)
                 continue
             if item.dtype is None:
                 raise SnapshotInvalid(

@@ -16,8 +16,11 @@ from checkpoint.snapshot_format import (
     SnapshotInvalid,
     SnapshotManifest,
     chunk_span,
+    parse_record,
     parse_step_dir,
     read_manifest,
+    record_name,
+    record_rank,
     step_dir,
     verify_span,
 )
@@ -51,6 +54,8 @@ class SnapshotStore:
             try:
                 if (directory / entry.path).stat().st_size != entry.size:
                     return False
+                if entry.chunks is None and not (directory / record_name(entry.rank)).is_file():
+                    return False  # a shard is whole once its record is written after it
             except FileNotFoundError:
                 return False
         return True
@@ -80,6 +85,14 @@ class SnapshotStore:
                 freed.append(step)
         return freed
 
+    def free_after(self, step: int) -> list[int]:
+        """Free every step newer than `step`: a restore went back to `step`, so newer ones
+        belong to a history that no longer counts. Returns the freed steps."""
+        freed = sorted(s for s in self._step_dirs() if s > step)
+        for s in freed:
+            self.free(s)
+        return freed
+
     def free(self, step: int) -> None:
         shutil.rmtree(step_dir(self.root, step), ignore_errors=True)
 
@@ -91,8 +104,19 @@ class SnapshotStore:
         directory = step_dir(self.root, step)
         if file == MANIFEST_NAME:
             return self.manifest(step).to_bytes()
+        if record_rank(file) is not None:
+            try:
+                return (directory / file).read_bytes()  # the reader checks it
+            except FileNotFoundError:
+                raise SnapshotInvalid(f"snapshot step {step}: record {file} is missing") from None
         entry = self.manifest(step).file(file)
         where = f"snapshot step {step}: file {file} (rank {entry.rank})"
+        if entry.chunks is None:
+            try:
+                entry = parse_record((directory / record_name(entry.rank)).read_bytes(), step,
+                                     entry, where)
+            except FileNotFoundError:
+                raise SnapshotInvalid(f"{where}: its record is missing") from None
         if length == -1:
             length = entry.size - offset
         start, end = chunk_span(entry, offset, length, where)

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItemType
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
@@ -38,6 +39,7 @@ from checkpoint.snapshot_format import (
     chunk_checksums,
     record_name,
     shard_name,
+    slot,
     step_dir,
     write_atomically,
 )
@@ -47,6 +49,38 @@ from checkpoint.state import TrainState
 # DCP hands `finish` every rank's results and nothing else, and `finish` takes this one out
 # before the rest becomes `.metadata`.
 _FILE_FQN = "__ultrascale_snapshot_file__"
+
+
+@dataclasses.dataclass(frozen=True)
+class Template:
+    """One rank's shard layout, fixed by a full save: every write item at its offset."""
+
+    rank: int
+    items: tuple[tuple[Any, int, int], ...]  # (WriteItem, offset, length)
+    size: int
+
+
+@dataclasses.dataclass(frozen=True)
+class CoordinatorTemplate:
+    """The coordinator's `.metadata` and manifest entries, the same for every snapshot of a
+    generation (the storage layout does not change)."""
+
+    metadata: bytes
+    shards: tuple[FileEntry, ...]  # chunks None: each rank's record holds them
+    world_size: int
+
+    def write(self, directory: Path, step: int, consumed_samples: int, layout: dict[str, Any],
+              rank: int) -> None:
+        write_atomically(directory / METADATA_NAME, self.metadata)
+        manifest = SnapshotManifest(
+            step=step,
+            consumed_samples=consumed_samples,
+            world_size=self.world_size,
+            layout=layout,
+            files=(*self.shards, FileEntry(METADATA_NAME, rank, len(self.metadata),
+                                           chunk_checksums(self.metadata))),
+        )
+        write_atomically(directory / MANIFEST_NAME, manifest.to_bytes())
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,6 +106,10 @@ class SnapshotWriter(StorageWriter):
         # step pays beyond DCP's planning and collectives.
         self.copy_seconds = 0.0
         self.checksum_seconds = 0.0
+        # Where this rank's items went, and (coordinator) the metadata and manifest: what a
+        # later snapshot of the same generation rewrites in place (`rewrite_snapshot`).
+        self.template: Template | None = None
+        self.coordinator: CoordinatorTemplate | None = None
 
     def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
         if checkpoint_id is not None:
@@ -93,8 +131,7 @@ class SnapshotWriter(StorageWriter):
         for item in plan.items:
             data = planner.resolve_data(item)
             if item.type == WriteItemType.BYTE_IO:
-                assert isinstance(data, io.BytesIO)
-                raw = data.getvalue()
+                raw = slot(_pickled(planner, item, data))
                 payloads.append(_Payload(item, raw, offset, len(raw)))
                 offset += len(raw)
             else:
@@ -103,19 +140,9 @@ class SnapshotWriter(StorageWriter):
                 payloads.append(_Payload(item, data, offset, length))
                 offset += length
         name = shard_name(self.rank)
-        path = self.directory / name
-        # O_EXCL: two writers of one rank and step would interleave; fail loudly instead.
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-        try:
-            os.ftruncate(fd, offset)
-            chunks = self._fill(fd, offset, payloads)
-        finally:
-            os.close(fd)
-        self.copy_seconds = time.perf_counter() - started - self.checksum_seconds
-        entry = FileEntry(path=name, rank=self.rank, size=offset, chunks=chunks)
-        # The rank's own record, so the node's agent can validate and stream this shard before
-        # the coordinator's manifest reaches it.
-        write_atomically(self.directory / record_name(self.rank), _record_json(self.step, entry))
+        entry = self._write_shard(payloads, offset, started)
+        self.template = Template(self.rank, tuple((p.item, p.offset, p.length) for p in payloads),
+                                 offset)
         results = [
             WriteResult(
                 index=p.item.index,
@@ -135,6 +162,22 @@ class SnapshotWriter(StorageWriter):
         future.set_result(results)
         return future
 
+    def _write_shard(self, payloads: list[_Payload], size: int, started: float) -> FileEntry:
+        """The rank's shard file, then its record (chunk checksums): a shard is whole once its
+        record exists, so the node's agent can validate and stream it before any manifest."""
+        name = shard_name(self.rank)
+        # O_EXCL: two writers of one rank and step would interleave; fail loudly instead.
+        fd = os.open(self.directory / name, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            os.ftruncate(fd, size)
+            chunks = self._fill(fd, size, payloads)
+        finally:
+            os.close(fd)
+        self.copy_seconds = time.perf_counter() - started - self.checksum_seconds
+        entry = FileEntry(path=name, rank=self.rank, size=size, chunks=chunks)
+        write_atomically(self.directory / record_name(self.rank), _record_json(self.step, entry))
+        return entry
+
     def _fill(self, fd: int, size: int, payloads: list[_Payload]) -> tuple[int, ...]:
         for p in payloads:
             if isinstance(p.data, bytes):
@@ -142,7 +185,10 @@ class SnapshotWriter(StorageWriter):
             elif p.length:
                 # write(2) from the tensor's memory: one kernel copy into tmpfs pages. Measured
                 # ~2x faster than copying into an mmap of the file, which faults every page in.
-                dense = p.data.detach().contiguous().reshape(-1).view(torch.uint8)
+                dense = p.data.detach()
+                if dense.device.type != "cpu":
+                    dense = dense.cpu()  # the device-to-host copy: the step's only other cost
+                dense = dense.contiguous().reshape(-1).view(torch.uint8)
                 _pwrite_all(fd, memoryview(dense.numpy()), p.offset)
         started = time.perf_counter()
         # Read back in chunks (cache-resident): the payloads do not fall on chunk boundaries.
@@ -163,21 +209,27 @@ class SnapshotWriter(StorageWriter):
                     storage[result.index] = result.storage_data
         metadata.storage_data = storage
         blob = pickle.dumps(metadata)
-        write_atomically(self.directory / METADATA_NAME, blob)
-        files.sort(key=lambda f: f.rank)
-        files.append(FileEntry(METADATA_NAME, self.rank, len(blob), chunk_checksums(blob)))
-        manifest = SnapshotManifest(
-            step=self.step,
-            consumed_samples=self.consumed_samples,
-            world_size=len(results),
-            layout=self.layout,
-            files=tuple(files),
-        )
-        write_atomically(self.directory / MANIFEST_NAME, manifest.to_bytes())
+        # Shard checksums stay in each rank's record: a later snapshot of the generation, which
+        # no collective gathers, writes the same manifest with only the step changed.
+        shards = tuple(dataclasses.replace(f, chunks=None) for f in sorted(files,
+                                                                           key=lambda f: f.rank))
+        self.coordinator = CoordinatorTemplate(blob, shards, len(results))
+        self.coordinator.write(self.directory, self.step, self.consumed_samples, self.layout,
+                               self.rank)
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
         return False
+
+
+def _pickled(planner: SavePlanner, item: Any, resolved: Any) -> bytes:
+    """A byte item as a plain pickle of its value: DCP's own form (a torch.save zip per item)
+    costs about half a millisecond each, and an optimizer has a dozen per parameter."""
+    lookup = getattr(planner, "lookup_object", None)
+    if lookup is not None:
+        return pickle.dumps(lookup(item.index))
+    assert isinstance(resolved, io.BytesIO)
+    return pickle.dumps(torch.load(io.BytesIO(resolved.getvalue()), weights_only=False))
 
 
 def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
@@ -205,4 +257,40 @@ def save_snapshot(
         layout=layout,
     )
     dcp.save({"state": state}, storage_writer=writer, process_group=process_group)
+    return writer
+
+
+def rewrite_snapshot(
+    state: TrainState,
+    root: Path,
+    template: Template,
+    coordinator: CoordinatorTemplate | None,
+    *,
+    layout: dict[str, Any],
+) -> SnapshotWriter:
+    """Snapshot `state` with the layout a full save of the same generation fixed: every item
+    rewritten at its offset, no planning and no collective, so the step pays the copy and the
+    checksums only. A byte item that outgrew its slot raises ValueError (this rank's shard of
+    the step is then missing and the step cannot be assembled; the next full save re-plans).
+    """
+    writer = SnapshotWriter(root, step=state.progress.step,
+                            consumed_samples=state.progress.consumed_samples, layout=layout)
+    writer.rank = template.rank
+    started = time.perf_counter()
+    planner = DefaultSavePlanner()
+    planner.set_up_planner({"state": state.state_dict()}, None, coordinator is not None)
+    payloads = []
+    for item, offset, length in template.items:
+        if item.type == WriteItemType.BYTE_IO:
+            data: torch.Tensor | bytes = slot(pickle.dumps(planner.lookup_object(item.index)),
+                                              length)
+        else:
+            data = planner.resolve_data(item)
+        payloads.append(_Payload(item, data, offset, length))
+    writer.directory.mkdir(parents=True, exist_ok=True)
+    writer._write_shard(payloads, template.size, started)
+    if coordinator is not None:
+        coordinator.write(writer.directory, writer.step, writer.consumed_samples, layout,
+                          template.rank)
+    writer.template, writer.coordinator = template, coordinator
     return writer

@@ -25,6 +25,7 @@ from daemon.control.etcd_client import ETCD_ERRORS, Etcd
 from daemon.control.job_submit import offer_job_file
 from daemon.control.keys import Keys
 from daemon.control.leader import Leader
+from daemon.control.leader_failover import revoke_dead_leader
 from daemon.control.membership import Membership
 from daemon.control.outage import outage_check, publish_etcd_health
 from daemon.control.records import (
@@ -35,22 +36,23 @@ from daemon.control.records import (
     NodeRecord,
     NodeState,
 )
+from daemon.control.requests import put_until_acknowledged
 from daemon.control.store_host import StoreHost
 from daemon.control.view import ClusterView
 from daemon.node.progress import ProgressWriter
+from daemon.node.snapshot_keeper import SnapshotKeeper
 from daemon.node.supervisor import Supervisor, WorkerExit
 from daemon.node.watchdog import HangDetector, Watchdog
 from daemon.state import AgentState, StateMachine
 from daemon.tasks import Backoff, TaskSupervisor
+from daemon.worker_reports import WorkerReports
 from parallel.job import FaultConfig
 from parallel.planner import Plan
-from proto.ultrascale.v1 import agent_pb2 as pb
 
 log = logging.getLogger(__name__)
 
 
-
-class Agent:
+class Agent(WorkerReports):
     def __init__(self, config: AgentConfig) -> None:
         self.config = config
         self.node_id = config.node_id
@@ -77,12 +79,19 @@ class Agent:
         self._hung: dict[int, tuple[str, int]] = {}
         # The newest generation a local worker failed in: it is broken, never hand it out again.
         self.broken_generation = 0
+        self._leader_checked = 0  # the newest generation a failure made us check the leader in
+        self.snapshots = SnapshotKeeper.for_agent(config, self.view, self.etcd, self.keys,
+                                                  self.io.put_snapshot_file, self._lease,
+                                                  self.metrics.observe_snapshots)
+        self.read_peer_snapshot = self.io.read_snapshot
 
     # -- lifecycle -----------------------------------------------------------------------------
 
     async def start(self) -> None:
         cfg = self.config
         cfg.state_dir.mkdir(parents=True, exist_ok=True)
+        if self.snapshots is not None:
+            self.snapshots.clear()  # what a previous run left is no one's to restore from
         await self.io.start(self)
         self.leader = Leader(self.etcd, self.keys, self.view, self.election,
                              StoreHost(self.io.advertised_host), cfg.ttl, cfg.debounce_s,
@@ -91,7 +100,8 @@ class Agent:
             self.supervisor = Supervisor(self.node_id, self.io.socket_path,
                                          cfg.state_dir / "logs", self._on_worker_exit,
                                          cfg.worker_module, extra_env=worker_network_env(
-                                             self.io.advertised_host, dict(os.environ)))
+                                             self.io.advertised_host, dict(os.environ))
+                                         | SnapshotKeeper.env(self.snapshots))
         record = NodeRecord(self.node_id, self.io.address, self.io.metrics_url, cfg.devices,
                             pid=self.io.pid, version=__version__,
                             device_memory=cfg.device_memory)
@@ -110,6 +120,9 @@ class Agent:
         spawn(self._leadership(), "leadership")
         spawn(self._follower(), "follower")
         spawn(self.progress.run(), "progress")
+        if self.snapshots is not None:
+            self.snapshots.address = self.io.address
+            spawn(self.snapshots.run(), "snapshots")
         spawn(publish_etcd_health(
             self.io, lambda: self.membership is not None and self.membership.etcd_ok),
             "etcd-health")
@@ -147,6 +160,8 @@ class Agent:
             await self.membership.leave()
         await self.tasks.close()
         await self.io.stop()
+        if self.snapshots is not None:
+            self.snapshots.clear()
         if self.leader is not None:
             self.leader.store.close()
         with contextlib.suppress(*ETCD_ERRORS):
@@ -159,6 +174,9 @@ class Agent:
     @property
     def ttl(self) -> float:
         return float(self.config.ttl)
+
+    def _lease(self) -> int:
+        return self.membership.lease_id if self.membership is not None else 0
 
     def _fault(self) -> FaultConfig:
         plan = self.view.plan
@@ -295,39 +313,6 @@ class Agent:
 
     # -- worker reports ---------------------------------------------------------------------------
 
-    def handed(self, local_rank: int, generation: int) -> None:
-        self.hangs.beat(local_rank, generation, "idle" if not generation else "join", 0,
-                        time.monotonic())
-
-    def on_heartbeat(self, beat: pb.HeartbeatRequest) -> None:
-        self.hangs.beat(beat.local_rank, beat.generation, beat.phase, beat.step,
-                        time.monotonic())
-
-    def on_step(self, report: pb.StepReport) -> None:
-        plan = self.view.plan
-        self.hangs.step_done(report.local_rank, report.step, report.step_seconds,
-                             time.monotonic())
-        mine = plan.ranks_of(self.node_id) if plan else ()
-        if report.local_rank == min((r.local_rank for r in mine), default=0):
-            self.metrics.observe_step(report)
-            if self._failure_at is not None and report.generation > self._failure_at[1]:
-                self.metrics.recovery.observe(time.monotonic() - self._failure_at[0])
-                self._failure_at = None
-        if report.global_rank == 0:
-            self.progress.report(report.generation, step=report.step,
-                                 consumed_samples=report.consumed_samples, loss=report.loss)
-
-    def on_checkpoint(self, report: pb.CheckpointReport) -> None:
-        if report.global_rank == 0:
-            self.metrics.observe_checkpoint(report)
-            self.progress.checkpoint(report.generation, report.step, report.path)
-
-    def on_done(self, report: pb.DoneReport) -> None:
-        if report.global_rank == 0:
-            self.progress.report(report.generation, urgent=True, step=report.step,
-                                 consumed_samples=report.consumed_samples,
-                                 finished=not report.stopped, stopped=report.stopped)
-
     def on_worker_failure(self, local_rank: int, generation: int, kind: FailureKind, step: int,
                           message: str) -> None:
         if self._failure_at is None:
@@ -337,25 +322,19 @@ class Agent:
                   generation, kind.value, message[:500])
         self._report_failure(f"failure-{self.node_id}-{generation}-{local_rank}", generation,
                              kind, step, message)
+        if kind == FailureKind.PEER and self._leader_checked < generation:
+            self._leader_checked = generation  # once per broken generation
+            self.tasks.spawn(revoke_dead_leader(self.view, self.etcd, self.keys, self.io.probe,
+                                                self.node_id), "leader-check", long_lived=False)
 
     def _report_failure(self, request_id: str, generation: int, kind: FailureKind, step: int,
                         message: str) -> None:
         request = ControlRequest(op=ControlOp.FAILURE, node=self.node_id, generation=generation,
                                  kind=kind, step=step, message=message[:2000], time=time.time())
-        self.tasks.spawn(self._put_until_acknowledged(request_id, request, generation),
-                         f"report-{request_id}", long_lived=False)
-
-    async def _put_until_acknowledged(self, request_id: str, request: ControlRequest,
-                                      generation: int) -> None:
-        backoff = Backoff(initial=0.1, maximum=2.0)
-        while self.view.generation <= generation and not self.stopping.is_set():
-            try:
-                await self.etcd.put(self.keys.control_request(request_id), request.to_json())
-                return
-            except ETCD_ERRORS as exc:
-                log.warning("failure report %s not recorded yet (%s); retrying", request_id,
-                            type(exc).__name__)
-                await backoff.sleep()
+        self.tasks.spawn(put_until_acknowledged(
+            self.etcd, self.keys.control_request(request_id), request,
+            lambda: self.view.generation <= generation and not self.stopping.is_set()),
+            f"report-{request_id}", long_lived=False)
 
     def _on_worker_exit(self, exit_: WorkerExit) -> None:
         self.hangs.forget(exit_.local_rank)

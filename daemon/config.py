@@ -45,6 +45,8 @@ class AgentConfig:
     # How long workers keep training while etcd is unreachable for every agent (an outage in
     # which nobody can change membership); after that the agent fences itself.
     etcd_outage_s: float = 60.0
+    # In-memory snapshots live in <snapshot_base>/ultrascale/<job>/<node> (docs/snapshots.md).
+    snapshot_base: Path = Path("/dev/shm")
 
     @property
     def debounce_s(self) -> float:

@@ -2,8 +2,9 @@
 
 `make demo` (or `python -m examples.demo [--steps N] [--kill-at S]`) starts a local etcd and
 three agents (one CPU worker each), submits the job, kills -9 one agent at step S, and shows
-the survivors re-forming the mesh, restoring the last checkpoint and finishing. It then prints
-the committed loss curve with the generation and world size of every step.
+the survivors re-forming the mesh, restoring the newest in-memory snapshot (the dead node's
+shard from its buddy's memory) and finishing. It then prints the committed loss curve with the
+generation and world size of every step.
 """
 
 from __future__ import annotations
@@ -93,7 +94,7 @@ def main() -> int:
     first, last = committed[min(committed)], committed[max(committed)]
     print(
         f"\nloss {first['loss']:.3f} -> {last['loss']:.3f}; {len(committed)} steps committed, "
-        f"{reruns} re-run after restoring the last checkpoint; output in {output}"
+        f"{reruns} re-run after the restore; output in {output}"
     )
     return 0
 

@@ -110,6 +110,9 @@ class CheckpointConfig:
     dir: str = ""
     every: int = 0
     keep: int = 2
+    # In-memory snapshots (docs/snapshots.md), taken by workers an agent runs: every this many
+    # steps (0: off), into the node's shared memory, replicated to a buddy node.
+    snapshot_every: int = 1
 
 
 @dataclass(frozen=True)
@@ -299,6 +302,8 @@ def validate(cfg: JobConfig) -> None:
     if c.every < 0:
         raise ConfigError(f"checkpoint.every must be >= 0 (got {c.every})")
     _positive("checkpoint.keep", c.keep)
+    if c.snapshot_every < 0:
+        raise ConfigError(f"checkpoint.snapshot_every must be >= 0 (got {c.snapshot_every})")
     if c.every and not c.dir:
         raise ConfigError("checkpoint.dir must be set when checkpoint.every > 0")
     _validate_fault(cfg.fault)

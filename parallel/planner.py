@@ -59,6 +59,7 @@ class Restore:
     source: str = "init"
     step: int = 0
     locations: tuple[str, ...] = ()
+    reason: str = ""  # why this tier (e.g. why not the in-memory snapshots)
 
     def __post_init__(self) -> None:
         if self.source not in RESTORE_SOURCES:
@@ -71,7 +72,8 @@ class Restore:
     @classmethod
     def from_dict(cls, raw: Mapping[str, Any]) -> Restore:
         return cls(source=str(raw.get("source", "init")), step=int(raw.get("step", 0)),
-                   locations=tuple(str(x) for x in raw.get("locations", ())))
+                   locations=tuple(str(x) for x in raw.get("locations", ())),
+                   reason=str(raw.get("reason", "")))
 
 
 @dataclass(frozen=True)
@@ -139,7 +141,8 @@ class Plan:
             "store": {"host": self.store.host, "port": self.store.port,
                       "prefix": self.store.prefix},
             "restore": {"source": self.restore.source, "step": self.restore.step,
-                        "locations": list(self.restore.locations)},
+                        "locations": list(self.restore.locations),
+                        **({"reason": self.restore.reason} if self.restore.reason else {})},
             "predicted": {
                 "memory_bytes": {"params": m.params, "grads": m.grads,
                                  "optimizer": m.optimizer, "activations": m.activations},

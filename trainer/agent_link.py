@@ -7,12 +7,15 @@ fails in any other way, raises AgentUnreachable; during a generation that ends t
 
 from __future__ import annotations
 
+import contextlib
+
 import grpc
 
 from parallel.job import FaultConfig
 from proto.ultrascale.v1 import agent_pb2 as pb
 from proto.ultrascale.v1 import agent_pb2_grpc as pb_grpc
 from trainer.loop import StepResult
+from trainer.snapshots import Restored
 
 # Beyond the long poll's own wait: the agent's answer and the socket's round trip.
 LONG_POLL_MARGIN_S = 5.0
@@ -148,3 +151,37 @@ class AgentLink:
                 stopped=stopped,
             ),
         )
+
+    def snapshot_fetch(self, step: int):
+        """A fetch (file, offset, length) -> bytes of snapshot `step`, through the agent: from
+        this node's memory or a peer's. A failed call raises OSError, which the snapshot reader
+        reports as a file it could not fetch (and the restore falls back)."""
+
+        def fetch(file: str, offset: int, length: int) -> bytes:
+            request = pb.SnapshotRange(step=step, file=file, offset=offset, length=length)
+            try:
+                pieces = self.stub.FetchSnapshot(request, timeout=self.fault.restore_timeout_s)
+                return b"".join(piece.data for piece in pieces)
+            except grpc.RpcError as exc:
+                code = exc.code().name if hasattr(exc, "code") else "UNKNOWN"
+                details = exc.details() if hasattr(exc, "details") else ""
+                raise OSError(f"FetchSnapshot {file} failed ({code}: {details})") from None
+
+        return fetch
+
+    def report_restore(self, gp: pb.GenerationPlan, r: Restored) -> None:
+        """Best effort: what this rank restored (rank 0's report becomes an event)."""
+        with contextlib.suppress(AgentUnreachable):
+            self._call(
+                "ReportRestore",
+                pb.RestoreReport(
+                    generation=gp.generation,
+                    global_rank=gp.global_rank,
+                    local_rank=self.local_rank,
+                    source=r.source,
+                    step=r.step,
+                    skipped=r.skipped[:2000],
+                    seconds=r.seconds,
+                    snapshot_bytes=r.snapshot_bytes,
+                ),
+            )

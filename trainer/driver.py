@@ -21,10 +21,13 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from checkpoint.durable import CheckpointManager
+from checkpoint.snapshot_reader import Fetch
 from parallel.job import JobConfig
 from parallel.layout import Layout
+from parallel.planner import Restore
 from trainer.loop import StepResult, Trainer
 from trainer.memory_meter import MemoryMeter
+from trainer.snapshots import Restored, Snapshots, restore_snapshot
 
 
 def _stderr(msg: str) -> None:
@@ -108,6 +111,7 @@ class GenerationDriver:
         generation: int = 0,
         step_log: Path | None = None,
         log: Callable[[str], None] = _stderr,
+        snapshot_root: Path | None = None,
     ) -> None:
         self.job, self.layout, self.last_step, self.generation = job, layout, last_step, generation
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
@@ -122,6 +126,12 @@ class GenerationDriver:
             else None
         )
         self.steps = StepLog(step_log) if step_log is not None and self.rank == 0 else None
+        every = job.checkpoint.snapshot_every
+        self.snapshots = (
+            Snapshots(snapshot_root, every, layout.to_dict(), log)
+            if snapshot_root is not None and every > 0
+            else None
+        )
         self._saved_step = -1
         self._reported = 0  # commits returned by new_commits
 
@@ -142,6 +152,32 @@ class GenerationDriver:
         if loaded is not None:
             self._saved_step = self.step
         return loaded
+
+    def restore_planned(self, planned: Restore, fetch: Fetch | None) -> Restored:
+        """Restore what the plan names, falling back tier by tier: the snapshot (from this
+        node's memory or a peer's, through `fetch`), then the newest valid durable checkpoint,
+        then the initial weights. Every rank takes the same branch."""
+        started = time.perf_counter()
+        skipped, fetched = "", 0
+        if planned.source == "snapshot":
+            if fetch is None:
+                skipped = "snapshots are off on this node"
+            else:
+                skipped, fetched = restore_snapshot(self.trainer.state, planned.step, fetch)
+            if not skipped:
+                return Restored("snapshot", self.step, "", time.perf_counter() - started,
+                                fetched, f"snapshot@{planned.step}")
+        loaded = self.restore()
+        return Restored("checkpoint" if loaded else "init", self.step, skipped,
+                        time.perf_counter() - started, fetched, loaded.name if loaded else "")
+
+    def snapshot_due(self, step: int) -> bool:
+        return self.snapshots is not None and step < self.last_step and self.snapshots.due(step)
+
+    def snapshot(self) -> None:
+        """Snapshot the current step into the node's shared memory (collective)."""
+        if self.snapshots is not None:
+            self.snapshots.take(self.trainer.state)
 
     def train_step(self) -> StepResult:
         with self.memory.measure():

@@ -20,7 +20,8 @@ worker raise a local `RuntimeError("injected fault at step N")` right after comp
 each time it gets there (trainer.fault_injection).
 
 Environment (set by the agent): ULTRA_AGENT_SOCKET, ULTRA_LOCAL_RANK, ULTRA_NODE_ID,
-ULTRA_AGENT_PID, ULTRA_WORKER_THREADS.
+ULTRA_AGENT_PID, ULTRA_WORKER_THREADS, ULTRA_SNAPSHOT_ROOT (where this node's in-memory
+snapshots live; unset: none are taken).
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 
+from checkpoint.snapshot_store import SnapshotStore
 from parallel.job import FaultConfig, process_group_timeout
 from parallel.mesh import build_mesh
 from parallel.planner import Plan
@@ -120,6 +122,8 @@ class Generation:
         mesh = build_mesh(layout, device_type, timeout)
         self.beat.update(gp.generation, "restore", 0)
         root = checkpoint_root(job)
+        snapshot_root = Path(os.environ["ULTRA_SNAPSHOT_ROOT"]) \
+            if os.environ.get("ULTRA_SNAPSHOT_ROOT") else None
         if root is not None:
             check_shared(root, gp.store_prefix, os.environ.get("ULTRA_NODE_ID", "?"))
         driver = GenerationDriver(
@@ -132,14 +136,22 @@ class Generation:
             generation=gp.generation,
             step_log=output_dir(job) or Path("."),
             log=_log,
+            snapshot_root=snapshot_root,
         )
-        loaded = driver.restore()
+        fetch = self.link.snapshot_fetch(plan.restore.step) if snapshot_root else None
+        restored = driver.restore_planned(plan.restore, fetch)
         self.step = driver.step
+        self.link.report_restore(gp, restored)
+        mine = [r.local_rank for r in plan.ranks_of(os.environ.get("ULTRA_NODE_ID", ""))]
+        if snapshot_root is not None and mine and gp.local_rank == min(mine):
+            # Newer snapshots on this node belong to a history the restore went back from.
+            SnapshotStore(snapshot_root).free_after(driver.step)
         if gp.global_rank == 0:
-            restored = f"{loaded.name} (step {driver.step})" if loaded else "nothing: step 0"
+            what = f"{restored.name} (step {driver.step})" if restored.name else "nothing: step 0"
+            skipped = f" (snapshot skipped: {restored.skipped})" if restored.skipped else ""
             _log(
                 f"generation {gp.generation}: world {gp.world_size}, layout dp={layout.dp}; "
-                f"restored {restored}"
+                f"restored {what} in {restored.seconds:.2f}s{skipped}"
             )
         return self._train(driver)
 
@@ -167,6 +179,10 @@ class Generation:
             ):
                 beat.phase("checkpoint")  # staging, and waiting for the previous save
                 driver.save()
+                beat.phase("step")
+            if driver.snapshot_due(result.step):
+                beat.phase("checkpoint")
+                driver.snapshot()
                 beat.phase("step")
             self._report_commits(driver)
         finished = driver.step >= driver.last_step

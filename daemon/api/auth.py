@@ -76,9 +76,16 @@ def check_listen(address: str, *, tls: bool, insecure: bool, flag: str = "--list
         )
 
 
+PEER_SERVICE = "/ultrascale.v1.SnapshotPeer/"
+
+
 class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
-    def __init__(self, token: str) -> None:
+    """The admin token for the Agent service; the job's peer secret (read from etcd, the same
+    on every agent) for agent-to-agent snapshot calls, so admin tokens can stay per node."""
+
+    def __init__(self, token: str, peer_secret: Callable[[], str] = lambda: "") -> None:
         self._expected = f"Bearer {token}".encode()
+        self._peer_secret = peer_secret
 
     async def intercept_service(
         self,
@@ -89,7 +96,13 @@ class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
             return await continuation(details)
         given = dict(details.invocation_metadata or ()).get("authorization", "")
         given_b = given.encode() if isinstance(given, str) else bytes(given)
-        if hmac.compare_digest(given_b, self._expected):
+        expected = self._expected
+        if details.method.startswith(PEER_SERVICE):
+            secret = self._peer_secret()
+            if not secret:
+                return _deny(await continuation(details), "this agent has no peer secret yet")
+            expected = f"Bearer {secret}".encode()
+        if hmac.compare_digest(given_b, expected):
             return await continuation(details)
         return _deny(await continuation(details), "missing or wrong bearer token" if given
                      else "missing bearer token (authorization metadata)")

@@ -22,6 +22,7 @@ from daemon.control.records import (
     JobSpec,
     JobStatus,
     NodeRecord,
+    RestoreRecord,
 )
 from parallel.planner import Plan, PlanError
 
@@ -72,7 +73,7 @@ def render(keys: Keys, ev: Any) -> ClusterEvent | None:
             rev, "generation", generation=plan.generation,
             message=f"generation {plan.generation} ({plan.reason or '?'}): world "
                     f"{plan.world_size} on {','.join(sorted(plan.nodes))}; restore "
-                    f"{r.source}@{r.step}"
+                    f"{r.source}@{r.step}" + (f" ({r.reason})" if r.reason else "")
                     + (f"; layout {plan.layout_reason}" if plan.layout_reason else ""))
     if name == "spec" and put:
         job = JobSpec.from_json(kv.value).config.get("job", {}).get("name", "?")
@@ -95,6 +96,16 @@ def render(keys: Keys, ev: Any) -> ClusterEvent | None:
                                 f"{req.generation} at step {req.step}: {req.message[:300]}")
         return ClusterEvent(rev, "control", req.node,
                             message=f"{req.op.value} {req.node}".strip() + " requested")
+    if name == "restore" and put:
+        r = RestoreRecord.from_json(kv.value)
+        what = {"snapshot": f"snapshot@{r.step} from memory ({r.snapshot_bytes} bytes on rank 0)",
+                "checkpoint": f"checkpoint@{r.step}", "init": "nothing (step 0)"}.get(
+                    r.source, f"{r.source}@{r.step}")
+        skipped = f"; the planned {r.planned} was skipped: {r.skipped[:300]}" if r.skipped \
+            else ""
+        return ClusterEvent(rev, "restore", generation=r.generation,
+                            message=f"generation {r.generation} restored {what} in "
+                                    f"{r.seconds:.2f}s{skipped}")
     if name == "directive" and put:
         d = Directive.from_json(kv.value)
         return ClusterEvent(rev, "directive", generation=d.generation,

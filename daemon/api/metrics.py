@@ -24,7 +24,7 @@ from prometheus_client import (
 )
 
 from daemon import __version__
-from daemon.control.records import CheckpointRecord, JobState, Progress
+from daemon.control.records import CheckpointRecord, JobState, Progress, RestoreRecord
 from parallel.planner import Plan
 from proto.ultrascale.v1 import agent_pb2 as pb
 
@@ -83,6 +83,12 @@ class Metrics:
             "ultra_checkpoint_duration_seconds",
             "Checkpoint time: save started to manifest written (reported by global rank 0)",
             ["tier", "op"], buckets=_CHECKPOINT_BUCKETS, registry=r)
+        self.snapshot_bytes = Gauge("ultra_snapshot_bytes",
+                                    "Bytes of in-memory snapshots this node holds (own shards "
+                                    "and buddy copies)", registry=r)
+        self.snapshot_age = Gauge("ultra_snapshot_age_steps",
+                                  "Steps since the newest snapshot step this node holds whole "
+                                  "(-1: none)", registry=r)
         self.build = Info("ultra_build", "Build information", registry=r)
         self.build.info({"version": __version__, "python": platform.python_version()})
         # process_start_time_seconds: how alerts see an agent that keeps restarting.
@@ -92,6 +98,9 @@ class Metrics:
         for reason in REASONS:
             self.membership_changes.labels(reason=reason)
         self.checkpoint_duration.labels(tier="durable", op="save")
+        for tier in ("memory", "durable"):
+            self.checkpoint_duration.labels(tier=tier, op="restore")
+        self.snapshot_age.set(-1)
         self.is_leader.set(0)
         self.observe_job(JobState.NONE, CheckpointRecord())
         # The generation last observed and the newest step seen in it: what a restore to an
@@ -148,6 +157,24 @@ class Metrics:
         if report.HasField("seconds"):
             self.checkpoint_duration.labels(tier="durable", op="save").observe(
                 max(0.0, report.seconds))
+
+
+    def observe_restore(self, record: RestoreRecord) -> None:
+        """What the generation's rank 0 restored. A fallback to an older durable checkpoint
+        loses the steps between it and the snapshot the plan named."""
+        if record.generation != self._generation:
+            return
+        if record.step < self._last_step:
+            self.lost_steps.inc(self._last_step - record.step)
+            self._last_step = record.step
+        tier = {"snapshot": "memory", "checkpoint": "durable"}.get(record.source)
+        if tier is not None:
+            self.checkpoint_duration.labels(tier=tier, op="restore").observe(
+                max(0.0, record.seconds))
+
+    def observe_snapshots(self, held_bytes: int, newest_whole: int, step: int) -> None:
+        self.snapshot_bytes.set(held_bytes)
+        self.snapshot_age.set(step - newest_whole if newest_whole >= 0 else -1)
 
 
 def serve(metrics: Metrics, host: str, port: int) -> WSGIServer:

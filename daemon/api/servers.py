@@ -12,6 +12,7 @@ import asyncio
 import json
 import os
 import tempfile
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -19,13 +20,16 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from checkpoint.snapshot_format import CHUNK_BYTES
 from daemon.api import advertise
 from daemon.api.admin_service import AdminService
 from daemon.api.auth import BearerTokenInterceptor, load_or_create_token
 from daemon.api.metrics import Metrics, serve
 from daemon.api.probes import agent_probes, start_probe_server
+from daemon.api.snapshot_service import SnapshotPeerService
 from daemon.config import AgentConfig
 from daemon.control.etcd_client import parse_endpoints
+from daemon.node.snapshot_files import Incoming
 from daemon.node.worker_service import WorkerControlService
 from daemon.tls_files import client_credentials
 from proto.ultrascale.v1 import agent_pb2 as pb
@@ -52,6 +56,7 @@ class AgentIO:
         self._health: health.aio.HealthServicer | None = None
         self._etcd_serving: bool | None = None
         self._peers: dict[str, grpc.aio.Channel] = {}
+        self._peer_secret: Any = lambda: ""
 
     async def start(self, host: Any) -> None:
         cfg = self.config
@@ -66,8 +71,13 @@ class AgentIO:
         metrics_port = self._metrics_server.server_port
         self.metrics_url = f"http://{advertise.host_port(metrics_host, metrics_port)}/metrics"
 
-        server = grpc.aio.server(interceptors=[BearerTokenInterceptor(self.token)])
+        self._peer_secret = lambda: host.view.peer_secret
+        server = grpc.aio.server(interceptors=[BearerTokenInterceptor(self.token,
+                                                                      self._peer_secret)])
         pb_grpc.add_AgentServicer_to_server(AdminService(host), server)
+        if host.snapshots is not None:
+            pb_grpc.add_SnapshotPeerServicer_to_server(SnapshotPeerService(host.snapshots),
+                                                       server)
         self._health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
         reflection.enable_server_reflection(
@@ -149,6 +159,38 @@ class AgentIO:
     async def probe(self, address: str) -> bool:
         """Is the agent at `address` alive? A short health check, for fast failure confirmation."""
         return await self._check(address, "") == _SERVING
+
+    def _peer_metadata(self) -> tuple[tuple[str, str], ...]:
+        return (("authorization", f"Bearer {self._peer_secret()}"),)
+
+    async def put_snapshot_file(self, address: str, header: Incoming,
+                                pieces: AsyncIterator[bytes]) -> None:
+        """Send one snapshot file to the agent at `address` (SnapshotPeer.PutFile)."""
+
+        async def messages() -> AsyncIterator[pb.FileChunk]:
+            first = pb.FileChunk(step=header.step, file=header.file, size=header.size,
+                                 chunks=header.chunks, chunk_bytes=CHUNK_BYTES, rank=header.rank)
+            async for piece in pieces:
+                if first is not None:
+                    first.data = piece
+                    yield first
+                    first = None
+                else:
+                    yield pb.FileChunk(data=piece)
+            if first is not None:
+                yield first  # an empty file
+
+        stub = pb_grpc.SnapshotPeerStub(self._peer(address))
+        await stub.PutFile(messages(), metadata=self._peer_metadata(),
+                           timeout=10 + header.size / 50e6)
+
+    async def read_snapshot(self, address: str, request: pb.SnapshotRange
+                            ) -> AsyncIterator[bytes]:
+        """Bytes of a snapshot file held by the agent at `address` (SnapshotPeer.ReadRange)."""
+        stub = pb_grpc.SnapshotPeerStub(self._peer(address))
+        async for piece in stub.ReadRange(request, metadata=self._peer_metadata(),
+                                          timeout=max(10.0, self.config.ttl * 4)):
+            yield piece.data
 
     async def etcd_health(self, address: str) -> bool | None:
         """Does the agent at `address` reach etcd? None when it does not answer."""

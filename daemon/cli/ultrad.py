@@ -70,6 +70,9 @@ _OPTIONS: dict[str, tuple[type, Any, str]] = {
     "worker_module": (str, "trainer.worker", "python module a worker runs"),
     "etcd_outage": (float, 60.0, "seconds workers keep training while etcd is unreachable for "
                                  "every agent"),
+    "snapshot_dir": (str, "/dev/shm", "memory-backed directory for in-memory snapshots "
+                                      "(<dir>/ultrascale/<job>/<node>; a tmpfs with room for "
+                                      "this node's shards and its buddy's)"),
     "log_level": (str, "info", "debug|info|warning|error"),
 }
 _FLAGS = {"insecure": "allow a non-loopback listen address without TLS",
@@ -180,6 +183,7 @@ def build_config(opts: dict[str, Any]) -> Any:
         insecure=opts["insecure"], tls=tls, advertise_host=opts["advertise_host"],
         workers=not opts["no_workers"], worker_module=opts["worker_module"],
         etcd_outage_s=opts["etcd_outage"],
+        snapshot_base=Path(opts["snapshot_dir"]).expanduser(),
     )
 
 

@@ -36,9 +36,11 @@ from daemon.control.records import (
     Directive,
     FailureKind,
     FailureRecord,
+    HeldStep,
     JobState,
     JobStatus,
     NodeState,
+    SnapshotHoldings,
 )
 from daemon.control.snapshot import (
     Action,
@@ -256,10 +258,24 @@ class _Decider:
             return None
 
     def _restore(self) -> dict[str, object]:
+        """The fastest tier that has the newest state: a snapshot the members can assemble
+        from their memory when it is at least as new as the durable checkpoint (the workers
+        fall back to the checkpoint if it does not verify), else the checkpoint."""
         c = self.s.checkpoint
-        if c.step >= 0 and c.path:
-            return {"source": "checkpoint", "step": c.step, "locations": [c.path]}
-        return {"source": "init", "step": 0, "locations": []}
+        durable = c.step if c.step >= 0 and c.path else -1
+        held = {n: h for n, h in self.s.holdings.items()
+                if n in self.s.members and h.spec_revision == self.s.spec_revision}
+        step, holders = newest_assemblable(held)
+        if step > 0 and step >= durable:
+            return {"source": "snapshot", "step": step, "locations": list(holders)}
+        why = {}
+        if self.s.progress.step > max(durable, 0) and self.plan is not None:
+            # A restore that loses steps: say why memory could not serve it.
+            why = {"reason": "no snapshot the live nodes hold whole is newer"
+                   + (f" (newest: step {step})" if step > 0 else "")}
+        if durable >= 0:
+            return {"source": "checkpoint", "step": c.step, "locations": [c.path], **why}
+        return {"source": "init", "step": 0, "locations": [], **why}
 
     def _start(self, candidate: Plan, reason: str) -> None:
         self.actions.append(StartGeneration(candidate, reason))
@@ -333,6 +349,25 @@ class _Decider:
             step=p.step if p.generation == plan.generation else -1,
             message=f"did not stop at a step boundary within {boundary_timeout(self.fault):.0f}s"))
         self._start(candidate, reason)
+
+
+def newest_assemblable(holdings: Mapping[str, SnapshotHoldings]) -> tuple[int, tuple[str, ...]]:
+    """The newest snapshot step whose every shard, manifest and metadata some node in
+    `holdings` holds, and those nodes (sorted); (-1, ()) when there is none."""
+    by_step: dict[int, list[tuple[str, HeldStep]]] = {}
+    for node, h in holdings.items():
+        for held in h.steps:
+            by_step.setdefault(held.step, []).append((node, held))
+    for step in sorted(by_step, reverse=True):
+        parts = by_step[step]
+        sizes = {held.world_size for _, held in parts if held.metadata and held.world_size > 0}
+        if len(sizes) != 1:
+            continue  # no manifest among the holders (or manifests that disagree)
+        world = sizes.pop()
+        ranks = set().union(*(set(held.ranks) for _, held in parts))
+        if ranks >= set(range(world)):
+            return step, tuple(sorted(node for node, _ in parts))
+    return -1, ()
 
 
 def _status_key(status: JobStatus) -> tuple[object, ...]:

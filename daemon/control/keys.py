@@ -76,6 +76,22 @@ class Keys:
         return self.nodes + node.encode()
 
     @property
+    def restore(self) -> bytes:
+        return self._k("restore")
+
+    @property
+    def peer_secret(self) -> bytes:
+        """The job's secret for agent-to-agent snapshot calls (created by the first agent)."""
+        return self._k("peer_secret")
+
+    @property
+    def snapshots(self) -> bytes:
+        return self._k("snapshots/")
+
+    def snapshot_holdings(self, node: str) -> bytes:
+        return self.snapshots + node.encode()
+
+    @property
     def control(self) -> bytes:
         return self._k("control/")
 

@@ -170,7 +170,7 @@ class Leader:
             cordons=dict(view.cordons), plan=plan, progress=view.progress,
             checkpoint=view.checkpoint, directive=view.directive, status=view.status,
             control=dict(view.control), missing_since=dict(self._missing_since),
-            probes=dict(self._probes))
+            probes=dict(self._probes), holdings=dict(view.snapshots))
 
     # -- effects -------------------------------------------------------------------------------
 

@@ -96,6 +96,10 @@ def _coerce(type_name: Any, value: Any) -> Any:
         return tuple(FailureRecord.from_dict(v) for v in value if isinstance(v, dict))
     if name == "tuple[str, ...]":
         return tuple(v for v in value if isinstance(v, str))
+    if name == "tuple[int, ...]":
+        return tuple(int(v) for v in value if isinstance(v, int) and not isinstance(v, bool))
+    if name == "tuple[HeldStep, ...]":
+        return tuple(HeldStep.from_dict(v) for v in value if isinstance(v, dict))
     raise TypeError(name)
 
 
@@ -150,6 +154,40 @@ class CheckpointRecord(Record):
     step: int = -1           # -1: none yet
     path: str = ""
     time: float = 0.0        # wall clock of the writer when it learnt of the commit
+
+
+@dataclass(frozen=True)
+class RestoreRecord(Record):
+    """`restore`: what the generation's workers loaded, written by rank 0's agent (fenced by
+    the generation, like `progress`), so why a tier was skipped is in `ultractl events`."""
+
+    generation: int = 0
+    source: str = ""         # init | checkpoint | snapshot: what was loaded
+    step: int = 0
+    planned: str = ""        # what the plan named, "source@step"
+    skipped: str = ""        # why the plan's snapshot was not used
+    seconds: float = 0.0
+    snapshot_bytes: int = 0  # rank 0's bytes read from snapshots
+
+
+@dataclass(frozen=True)
+class HeldStep(Record):
+    """One snapshot step a node holds in its memory (docs/snapshots.md)."""
+
+    step: int = 0
+    ranks: tuple[int, ...] = ()   # shards held: the node's own and buddy copies
+    world_size: int = 0           # from the manifest; 0 while this node has none
+    metadata: bool = False        # the manifest and DCP's .metadata are held here
+
+
+@dataclass(frozen=True)
+class SnapshotHoldings(Record):
+    """`snapshots/<node>`: what a node's agent holds, under its lease (gone with the node)."""
+
+    node: str = ""
+    address: str = ""             # where peers read it (the agent's gRPC address)
+    steps: tuple[HeldStep, ...] = ()
+    spec_revision: int = 0        # the job submission they are snapshots of
 
 
 @dataclass(frozen=True)

@@ -17,6 +17,7 @@ from daemon.control.records import (
     JobStatus,
     NodeState,
     Progress,
+    SnapshotHoldings,
 )
 from parallel.job import JobConfig
 from parallel.planner import Plan
@@ -55,6 +56,8 @@ class Snapshot:
     # the latest probe of each.
     missing_since: Mapping[str, float] = field(default_factory=dict)
     probes: Mapping[str, ProbeResult] = field(default_factory=dict)
+    # What each member holds of in-memory snapshots (docs/snapshots.md).
+    holdings: Mapping[str, SnapshotHoldings] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

@@ -27,6 +27,8 @@ from daemon.control.records import (
     JobStatus,
     NodeRecord,
     Progress,
+    RestoreRecord,
+    SnapshotHoldings,
 )
 from daemon.tasks import Backoff
 from parallel.planner import Plan, PlanError
@@ -61,6 +63,9 @@ class ClusterView:
         self.status = JobStatus()
         self.control: dict[str, ControlRequest] = {}
         self.cordons: dict[str, Cordon] = {}
+        self.snapshots: dict[str, SnapshotHoldings] = {}  # node -> what it holds in memory
+        self.restore = RestoreRecord()
+        self.peer_secret = ""
         self.revision = 0
         self.connected = False
         self.disconnected_at = 0.0  # monotonic time the watch last broke (0: never)
@@ -70,7 +75,8 @@ class ClusterView:
 
     def subscribe(self, listener: Listener) -> None:
         """`listener(kinds)` runs after each applied batch; kinds ⊆ {nodes, leader, generation,
-        spec, progress, checkpoint, directive, status, control, cordons, connection}. It must
+        spec, progress, checkpoint, directive, status, control, cordons, snapshots, restore,
+        peer_secret, connection}. It must
         not block."""
         self._listeners.append(listener)
 
@@ -116,6 +122,8 @@ class ClusterView:
         self.nodes.clear()
         self.control.clear()
         self.cordons.clear()
+        self.snapshots.clear()
+        self.restore, self.peer_secret = RestoreRecord(), ""
         self.leader, self.spec, self.job_spec = None, None, JobSpec()
         self.progress, self.checkpoint = Progress(), CheckpointRecord()
         self.directive, self.status = Directive(), JobStatus()
@@ -158,6 +166,19 @@ class ClusterView:
             else:
                 self.control.pop(request_id, None)
             return "control"
+        if name.startswith("snapshots/"):
+            node = name[len("snapshots/"):]
+            if put:
+                self.snapshots[node] = SnapshotHoldings.from_json(kv.value)
+            else:
+                self.snapshots.pop(node, None)
+            return "snapshots"
+        if name == "restore":
+            self.restore = RestoreRecord.from_json(kv.value) if put else RestoreRecord()
+            return "restore"
+        if name == "peer_secret":
+            self.peer_secret = kv.value.decode(errors="replace") if put else ""
+            return "peer_secret"
         if name.startswith("cordons/"):
             node = name[len("cordons/"):]
             if put:

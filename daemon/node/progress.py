@@ -23,7 +23,7 @@ from typing import Any
 
 from daemon.control.etcd_client import ETCD_ERRORS, Etcd
 from daemon.control.keys import Keys
-from daemon.control.records import CheckpointRecord, Progress
+from daemon.control.records import CheckpointRecord, Progress, RestoreRecord
 from daemon.control.view import ClusterView
 from daemon.tasks import Backoff
 
@@ -38,6 +38,7 @@ class ProgressWriter:
         self.interval = interval
         self._progress: Progress | None = None
         self._checkpoint: CheckpointRecord | None = None
+        self._restore: RestoreRecord | None = None
         self._urgent = asyncio.Event()
         self._pending = asyncio.Event()
         self._written_at = 0.0
@@ -63,6 +64,11 @@ class ProgressWriter:
         self._checkpoint = CheckpointRecord(generation, step, path, time=time.time())
         self._schedule(urgent=True)
 
+    def restored(self, record: RestoreRecord) -> None:
+        """What the generation restored (an event for operators), with the next write."""
+        self._restore = record
+        self._schedule(urgent=True)
+
     def _schedule(self, urgent: bool) -> None:
         self._pending.set()
         if urgent:
@@ -80,9 +86,9 @@ class ProgressWriter:
                             await self._urgent.wait()
             self._pending.clear()
             self._urgent.clear()
-            progress, checkpoint = self._progress, self._checkpoint
+            progress, checkpoint, restore = self._progress, self._checkpoint, self._restore
             try:
-                await self._write(progress, checkpoint)
+                await self._write(progress, checkpoint, restore)
                 backoff.reset()
             except ETCD_ERRORS as exc:
                 log.warning("progress not recorded yet (%s); retrying", type(exc).__name__)
@@ -92,11 +98,18 @@ class ProgressWriter:
                 continue
             if self._checkpoint is checkpoint:
                 self._checkpoint = None
+            if self._restore is restore:
+                self._restore = None
             self._written_at = time.monotonic()
 
-    async def _write(self, progress: Progress | None, checkpoint: CheckpointRecord | None
-                     ) -> None:
-        generation = (progress or checkpoint).generation if (progress or checkpoint) else 0
+    async def _write(self, progress: Progress | None, checkpoint: CheckpointRecord | None,
+                     restore: RestoreRecord | None = None) -> None:
+        newest = [r.generation for r in (progress, checkpoint, restore) if r is not None]
+        generation = max(newest, default=0)
+        if restore is not None and restore.generation != generation:
+            restore = None  # about a replaced generation: not news
+        if progress is not None and progress.generation != generation:
+            progress = None
         view = self.view
         if view.generation != generation or not view.generation_mod_revision:
             if generation < view.generation:
@@ -109,8 +122,12 @@ class ProgressWriter:
         puts = []
         if checkpoint is not None:
             puts.append(self.etcd.tx.put(self.keys.checkpoint, checkpoint.to_json()))
+        if restore is not None:
+            puts.append(self.etcd.tx.put(self.keys.restore, restore.to_json()))
         if progress is not None:
             puts.append(self.etcd.tx.put(self.keys.progress, progress.to_json()))
+        if not puts:
+            return
         tx = self.etcd.tx
         mod, self._mod = self._mod, None  # unknown until this write's outcome is
         ok, responses = await self.etcd.txn(

@@ -16,12 +16,15 @@ A worker's whole contract with its agent (see `proto/ultrascale/v1/agent.proto`)
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
 from typing import Protocol
 
 import grpc
 
 from daemon.control.records import FailureKind
 from daemon.control.view import ClusterView
+from daemon.node.snapshot_files import PIECE_BYTES
+from daemon.node.snapshot_keeper import SnapshotKeeper
 from proto.ultrascale.v1 import agent_pb2 as pb
 from proto.ultrascale.v1 import agent_pb2_grpc as pb_grpc
 
@@ -33,6 +36,7 @@ class WorkerHost(Protocol):
     devices: int
     view: ClusterView
     broken_generation: int  # a local worker failed in it: hand it to nobody any more
+    snapshots: SnapshotKeeper | None  # None: this agent keeps no snapshots
 
     def worker_should_exit(self, local_rank: int) -> bool: ...
     def on_step(self, report: pb.StepReport) -> None: ...
@@ -42,6 +46,9 @@ class WorkerHost(Protocol):
     def on_done(self, report: pb.DoneReport) -> None: ...
     def on_checkpoint(self, report: pb.CheckpointReport) -> None: ...
     def handed(self, local_rank: int, generation: int) -> None: ...
+    def on_restore(self, report: pb.RestoreReport) -> None: ...
+    def read_peer_snapshot(self, address: str, request: pb.SnapshotRange
+                           ) -> AsyncIterator[bytes]: ...
 
 
 class WorkerControlService(pb_grpc.WorkerControlServicer):
@@ -130,3 +137,36 @@ class WorkerControlService(pb_grpc.WorkerControlServicer):
                                context: grpc.aio.ServicerContext) -> pb.CheckpointReportReply:
         self.host.on_checkpoint(request)
         return pb.CheckpointReportReply()
+
+    async def FetchSnapshot(self, request: pb.SnapshotRange, context: grpc.aio.ServicerContext
+                            ) -> AsyncIterator[pb.SnapshotBytes]:
+        keeper = self.host.snapshots
+        if keeper is None:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                "this agent keeps no snapshots")
+        try:
+            data = keeper.read(request.step, request.file, request.offset, request.length)
+        except ValueError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        if data is not None:
+            keeper.served_local_bytes += len(data)
+            for start in range(0, max(1, len(data)), PIECE_BYTES):
+                yield pb.SnapshotBytes(data=data[start:start + PIECE_BYTES])
+            return
+        address = keeper.holder(request.step, request.file)
+        if address is None:
+            await context.abort(grpc.StatusCode.NOT_FOUND,
+                                f"snapshot step {request.step}: no live agent holds {request.file}")
+        try:
+            async for piece in self.host.read_peer_snapshot(address, request):
+                keeper.served_peer_bytes += len(piece)
+                yield pb.SnapshotBytes(data=piece)
+        except grpc.aio.AioRpcError as exc:
+            await context.abort(grpc.StatusCode.UNAVAILABLE,
+                                f"snapshot step {request.step}: reading {request.file} from "
+                                f"{address} failed: {exc.code().name}: {exc.details()}")
+
+    async def ReportRestore(self, request: pb.RestoreReport,
+                            context: grpc.aio.ServicerContext) -> pb.RestoreReply:
+        self.host.on_restore(request)
+        return pb.RestoreReply()

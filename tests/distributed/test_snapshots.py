@@ -27,7 +27,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_
 from checkpoint.snapshot_format import METADATA_NAME, SnapshotInvalid, shard_name, step_dir
 from checkpoint.snapshot_reader import load_snapshot, local_fetch
 from checkpoint.snapshot_store import SnapshotStore
-from checkpoint.snapshot_writer import save_snapshot
+from checkpoint.snapshot_writer import rewrite_snapshot, save_snapshot
 from parallel.job import load
 from parallel.layout import resolve
 from parallel.mesh import build_mesh
@@ -78,10 +78,15 @@ def _save_then_restore(rank: int, job: str, root: str, ports: list[int], out: st
     torch.set_num_threads(1)
     _join(rank, 4, ports[0])
     trainer = _trainer(job, 4)
-    for _ in range(STEP):
+    for _ in range(STEP - 1):
         trainer.train_step()
+    # The generation's first snapshot is a full DCP save; the next rewrites it in place.
+    first = save_snapshot(trainer.state, Path(root), layout=trainer.layout.to_dict())
+    trainer.train_step()
     torch.manual_seed(1000 + trainer.progress.step)  # an RNG state the restore must bring back
-    save_snapshot(trainer.state, Path(root), layout=trainer.layout.to_dict())
+    assert first.template is not None and (first.coordinator is not None) == (rank == 0)
+    rewrite_snapshot(trainer.state, Path(root), first.template, first.coordinator,
+                     layout=trainer.layout.to_dict())
     saved = _full_state(trainer)
     if rank == 0:
         torch.save(saved, Path(out) / "saved.pt")
@@ -103,7 +108,8 @@ def _save_then_restore(rank: int, job: str, root: str, ports: list[int], out: st
 
 @pytest.fixture(scope="module")
 def snapshot(token_file: Path, tmp_path_factory: pytest.TempPathFactory):
-    """Snapshot of step 2 from 4 ranks, restored on 4, 3 and 2 ranks in the same processes."""
+    """Snapshots of steps 1 (a full save) and 2 (rewritten in place, no collective) from 4
+    ranks; step 2 restored on 4, 3 and 2 ranks in the same processes."""
     out = tmp_path_factory.mktemp("snapshot")
     job = out / "job.toml"
     job.write_text(small_job_text(token_file, parallel={"zero": 3}))
@@ -135,8 +141,9 @@ def _assert_same(saved: dict, restored: dict) -> None:
 def test_snapshot_files_and_manifest(snapshot):
     _, root, _ = snapshot
     store = SnapshotStore(root)
-    assert store.steps() == [STEP]
+    assert store.steps() == [STEP - 1, STEP]
     manifest = store.manifest(STEP)
+    assert store.manifest(STEP - 1).files == manifest.files  # the layout the full save fixed
     assert (manifest.step, manifest.consumed_samples, manifest.world_size) == (STEP, 20, 4)
     assert manifest.layout["dp"] == 4 and manifest.layout["zero"] == 3
     assert [(f.path, f.rank) for f in manifest.files] == [
@@ -274,7 +281,7 @@ from pathlib import Path
 import torch, torch.distributed as dist
 from checkpoint.state import Progress, TrainState
 from checkpoint.snapshot_store import SnapshotStore
-from checkpoint.snapshot_writer import save_snapshot
+from checkpoint.snapshot_writer import rewrite_snapshot, save_snapshot
 
 store = dist.TCPStore("127.0.0.1", 0, 1, is_master=True)
 dist.init_process_group("gloo", store=store, rank=0, world_size=1, timeout=timedelta(seconds=60))

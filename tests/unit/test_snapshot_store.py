@@ -19,6 +19,7 @@ from checkpoint.snapshot_format import (
     SnapshotManifest,
     checksum,
     chunk_checksums,
+    record_name,
     shard_name,
     snapshot_root,
     step_dir,
@@ -36,7 +37,8 @@ def root():
     shutil.rmtree(path, ignore_errors=True)
 
 
-def make_step(root: Path, step: int, sizes: list[int], *, manifest: bool = True) -> dict[str, bytes]:
+def make_step(root: Path, step: int, sizes: list[int], *, manifest: bool = True,
+              records: bool = True) -> dict[str, bytes]:
     """A snapshot as the writer lays it out: one shard per rank, .metadata, then the manifest."""
     directory = step_dir(root, step)
     directory.mkdir(parents=True)
@@ -45,7 +47,10 @@ def make_step(root: Path, step: int, sizes: list[int], *, manifest: bool = True)
         data = os.urandom(size)
         (directory / shard_name(rank)).write_bytes(data)
         contents[shard_name(rank)] = data
-        entries.append(FileEntry(shard_name(rank), rank, size, chunk_checksums(data)))
+        entry = FileEntry(shard_name(rank), rank, size, chunk_checksums(data))
+        (directory / record_name(rank)).write_text(json.dumps({"step": step, **entry.to_json()}))
+        # The writer's manifests leave shard checksums to each rank's record.
+        entries.append(FileEntry(shard_name(rank), rank, size, None if records else entry.chunks))
     meta = os.urandom(300)
     (directory / METADATA_NAME).write_bytes(meta)
     entries.append(FileEntry(METADATA_NAME, 0, len(meta), chunk_checksums(meta)))
@@ -133,3 +138,24 @@ def test_root_naming():
     for bad in ("", "a/b", ".hidden"):
         with pytest.raises(ValueError, match="job name"):
             snapshot_root(bad)
+
+
+def test_shard_checksums_in_the_manifest_itself_are_read_too(root):
+    contents = make_step(root, 8, [CHUNK_BYTES + 5], records=False)
+    (step_dir(root, 8) / record_name(0)).unlink()
+    assert SnapshotStore(root).read(8, shard_name(0), 0, -1) == contents[shard_name(0)]
+
+
+def test_a_shard_whose_record_is_missing_or_wrong_is_not_read(root):
+    make_step(root, 9, [100, 100])
+    directory = step_dir(root, 9)
+    (directory / record_name(0)).unlink()
+    store = SnapshotStore(root)
+    assert store.steps() == []  # a shard is whole only once its record is written
+    with pytest.raises(SnapshotInvalid, match="record is missing"):
+        store.read(9, shard_name(0), 0, 10)
+    raw = json.loads((directory / record_name(1)).read_text())
+    raw["size"] = 99
+    (directory / record_name(1)).write_text(json.dumps(raw))
+    with pytest.raises(SnapshotInvalid, match="does not match the manifest"):
+        store.read(9, shard_name(1), 0, 10)

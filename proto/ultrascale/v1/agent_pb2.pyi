@@ -326,3 +326,67 @@ class CheckpointReport(_message.Message):
 class CheckpointReportReply(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
+
+class SnapshotRange(_message.Message):
+    __slots__ = ("step", "file", "offset", "length")
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    FILE_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    LENGTH_FIELD_NUMBER: _ClassVar[int]
+    step: int
+    file: str
+    offset: int
+    length: int
+    def __init__(self, step: _Optional[int] = ..., file: _Optional[str] = ..., offset: _Optional[int] = ..., length: _Optional[int] = ...) -> None: ...
+
+class SnapshotBytes(_message.Message):
+    __slots__ = ("data",)
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    data: bytes
+    def __init__(self, data: _Optional[bytes] = ...) -> None: ...
+
+class RestoreReport(_message.Message):
+    __slots__ = ("generation", "global_rank", "local_rank", "source", "step", "skipped", "seconds", "snapshot_bytes")
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    GLOBAL_RANK_FIELD_NUMBER: _ClassVar[int]
+    LOCAL_RANK_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    SKIPPED_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_FIELD_NUMBER: _ClassVar[int]
+    SNAPSHOT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    generation: int
+    global_rank: int
+    local_rank: int
+    source: str
+    step: int
+    skipped: str
+    seconds: float
+    snapshot_bytes: int
+    def __init__(self, generation: _Optional[int] = ..., global_rank: _Optional[int] = ..., local_rank: _Optional[int] = ..., source: _Optional[str] = ..., step: _Optional[int] = ..., skipped: _Optional[str] = ..., seconds: _Optional[float] = ..., snapshot_bytes: _Optional[int] = ...) -> None: ...
+
+class RestoreReply(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class FileChunk(_message.Message):
+    __slots__ = ("step", "file", "size", "chunks", "chunk_bytes", "rank", "data")
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    FILE_FIELD_NUMBER: _ClassVar[int]
+    SIZE_FIELD_NUMBER: _ClassVar[int]
+    CHUNKS_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    step: int
+    file: str
+    size: int
+    chunks: _containers.RepeatedScalarFieldContainer[int]
+    chunk_bytes: int
+    rank: int
+    data: bytes
+    def __init__(self, step: _Optional[int] = ..., file: _Optional[str] = ..., size: _Optional[int] = ..., chunks: _Optional[_Iterable[int]] = ..., chunk_bytes: _Optional[int] = ..., rank: _Optional[int] = ..., data: _Optional[bytes] = ...) -> None: ...
+
+class PutFileReply(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...

@@ -491,6 +491,16 @@ class WorkerControlStub:
                 request_serializer=ultrascale_dot_v1_dot_agent__pb2.CheckpointReport.SerializeToString,
                 response_deserializer=ultrascale_dot_v1_dot_agent__pb2.CheckpointReportReply.FromString,
                 _registered_method=True)
+        self.FetchSnapshot = channel.unary_stream(
+                '/ultrascale.v1.WorkerControl/FetchSnapshot',
+                request_serializer=ultrascale_dot_v1_dot_agent__pb2.SnapshotRange.SerializeToString,
+                response_deserializer=ultrascale_dot_v1_dot_agent__pb2.SnapshotBytes.FromString,
+                _registered_method=True)
+        self.ReportRestore = channel.unary_unary(
+                '/ultrascale.v1.WorkerControl/ReportRestore',
+                request_serializer=ultrascale_dot_v1_dot_agent__pb2.RestoreReport.SerializeToString,
+                response_deserializer=ultrascale_dot_v1_dot_agent__pb2.RestoreReply.FromString,
+                _registered_method=True)
 
 
 class WorkerControlServicer:
@@ -546,6 +556,22 @@ class WorkerControlServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def FetchSnapshot(self, request, context):
+        """Bytes of a file of an in-memory snapshot step, from this node's memory or, through the
+        agent, from a peer that holds it (docs/snapshots.md). Streamed in pieces of at most 4 MiB.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ReportRestore(self, request, context):
+        """Where this rank's state came from at the start of a generation, and why a tier was
+        skipped: global rank 0's report becomes the generation's `restore` record (events).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_WorkerControlServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -578,6 +604,16 @@ def add_WorkerControlServicer_to_server(servicer, server):
                     servicer.ReportCheckpoint,
                     request_deserializer=ultrascale_dot_v1_dot_agent__pb2.CheckpointReport.FromString,
                     response_serializer=ultrascale_dot_v1_dot_agent__pb2.CheckpointReportReply.SerializeToString,
+            ),
+            'FetchSnapshot': grpc.unary_stream_rpc_method_handler(
+                    servicer.FetchSnapshot,
+                    request_deserializer=ultrascale_dot_v1_dot_agent__pb2.SnapshotRange.FromString,
+                    response_serializer=ultrascale_dot_v1_dot_agent__pb2.SnapshotBytes.SerializeToString,
+            ),
+            'ReportRestore': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReportRestore,
+                    request_deserializer=ultrascale_dot_v1_dot_agent__pb2.RestoreReport.FromString,
+                    response_serializer=ultrascale_dot_v1_dot_agent__pb2.RestoreReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -745,6 +781,190 @@ class WorkerControl:
             '/ultrascale.v1.WorkerControl/ReportCheckpoint',
             ultrascale_dot_v1_dot_agent__pb2.CheckpointReport.SerializeToString,
             ultrascale_dot_v1_dot_agent__pb2.CheckpointReportReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def FetchSnapshot(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/ultrascale.v1.WorkerControl/FetchSnapshot',
+            ultrascale_dot_v1_dot_agent__pb2.SnapshotRange.SerializeToString,
+            ultrascale_dot_v1_dot_agent__pb2.SnapshotBytes.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReportRestore(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/ultrascale.v1.WorkerControl/ReportRestore',
+            ultrascale_dot_v1_dot_agent__pb2.RestoreReport.SerializeToString,
+            ultrascale_dot_v1_dot_agent__pb2.RestoreReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+
+class SnapshotPeerStub:
+    """---------------------------------------------------------------------------------------------
+    Agent-to-agent snapshot replication (docs/snapshots.md). Calls carry the job's peer secret
+    (`authorization: Bearer <secret>`, the secret in etcd under the job's `peer_secret` key).
+
+    """
+
+    def __init__(self, channel):
+        """Constructor.
+
+        Args:
+            channel: A grpc.Channel.
+        """
+        self.PutFile = channel.stream_unary(
+                '/ultrascale.v1.SnapshotPeer/PutFile',
+                request_serializer=ultrascale_dot_v1_dot_agent__pb2.FileChunk.SerializeToString,
+                response_deserializer=ultrascale_dot_v1_dot_agent__pb2.PutFileReply.FromString,
+                _registered_method=True)
+        self.ReadRange = channel.unary_stream(
+                '/ultrascale.v1.SnapshotPeer/ReadRange',
+                request_serializer=ultrascale_dot_v1_dot_agent__pb2.SnapshotRange.SerializeToString,
+                response_deserializer=ultrascale_dot_v1_dot_agent__pb2.SnapshotBytes.FromString,
+                _registered_method=True)
+
+
+class SnapshotPeerServicer:
+    """---------------------------------------------------------------------------------------------
+    Agent-to-agent snapshot replication (docs/snapshots.md). Calls carry the job's peer secret
+    (`authorization: Bearer <secret>`, the secret in etcd under the job's `peer_secret` key).
+
+    """
+
+    def PutFile(self, request_iterator, context):
+        """Store a copy of a peer's snapshot file: the first message names it, then data in order.
+        The receiver verifies the data against the chunk checksums before it keeps the file.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ReadRange(self, request, context):
+        """Bytes of a file this agent holds (its own or a copy), in pieces of at most 4 MiB.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+
+def add_SnapshotPeerServicer_to_server(servicer, server):
+    rpc_method_handlers = {
+            'PutFile': grpc.stream_unary_rpc_method_handler(
+                    servicer.PutFile,
+                    request_deserializer=ultrascale_dot_v1_dot_agent__pb2.FileChunk.FromString,
+                    response_serializer=ultrascale_dot_v1_dot_agent__pb2.PutFileReply.SerializeToString,
+            ),
+            'ReadRange': grpc.unary_stream_rpc_method_handler(
+                    servicer.ReadRange,
+                    request_deserializer=ultrascale_dot_v1_dot_agent__pb2.SnapshotRange.FromString,
+                    response_serializer=ultrascale_dot_v1_dot_agent__pb2.SnapshotBytes.SerializeToString,
+            ),
+    }
+    generic_handler = grpc.method_handlers_generic_handler(
+            'ultrascale.v1.SnapshotPeer', rpc_method_handlers)
+    server.add_generic_rpc_handlers((generic_handler,))
+    server.add_registered_method_handlers('ultrascale.v1.SnapshotPeer', rpc_method_handlers)
+
+
+ # This class is part of an EXPERIMENTAL API.
+class SnapshotPeer:
+    """---------------------------------------------------------------------------------------------
+    Agent-to-agent snapshot replication (docs/snapshots.md). Calls carry the job's peer secret
+    (`authorization: Bearer <secret>`, the secret in etcd under the job's `peer_secret` key).
+
+    """
+
+    @staticmethod
+    def PutFile(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_unary(
+            request_iterator,
+            target,
+            '/ultrascale.v1.SnapshotPeer/PutFile',
+            ultrascale_dot_v1_dot_agent__pb2.FileChunk.SerializeToString,
+            ultrascale_dot_v1_dot_agent__pb2.PutFileReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReadRange(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/ultrascale.v1.SnapshotPeer/ReadRange',
+            ultrascale_dot_v1_dot_agent__pb2.SnapshotRange.SerializeToString,
+            ultrascale_dot_v1_dot_agent__pb2.SnapshotBytes.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,128 @@
+"""What per-step in-memory snapshots cost the training loop.
+
+    python -m bench.overhead [--runs 3] [--steps 60] [--nodes 3]
+
+The job of `bench.recovery` (a 2-layer GQA Llama, global batch 10, no durable checkpoints) on
+`--nodes` CPU ranks, in three arms, interleaved run by run:
+
+  bare        torchrun --standalone --nproc-per-node=N -m trainer: the plain FSDP2 loop
+  ultrad      `--nodes` agents on loopback, one worker each, snapshots off
+              (`checkpoint.snapshot_every=0`)
+  ultrad+snap the same with a snapshot every step (the default), replicated to a buddy node
+
+Step time is the wall time between consecutive committed steps (steps.jsonl `time`), so it
+includes everything between two steps (the step report and agreement, the snapshot), not only
+the step itself. Each run's median over the steps after the first 5; the table shows the
+median over runs and the ratio to the bare loop.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from bench.recovery import _descendants, _env, _wait, write_job
+
+ARMS = ("bare", "ultrad", "ultrad+snap")
+WARMUP = 5
+
+
+def step_gaps(steps_file: Path) -> list[float]:
+    last: dict[int, float] = {}
+    for raw in steps_file.read_text().splitlines():
+        with contextlib.suppress(ValueError):
+            line = json.loads(raw)
+            last[line["step"]] = line["time"]
+    steps = sorted(last)
+    return [last[b] - last[a] for a, b in zip(steps, steps[1:], strict=False)
+            if b == a + 1 and a > WARMUP]
+
+
+def run_bare(work: Path, job: Path, steps: int, ranks: int) -> list[float]:
+    output = work / "output"
+    subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone",
+         f"--nproc-per-node={ranks}", "-m", "trainer", "--config", str(job), "--steps",
+         str(steps), "--set", "checkpoint.every=0", "--set", f'job.output_dir="{output}"'],
+        cwd=work, env={**_env(), "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}, check=True,
+        stdout=subprocess.DEVNULL, stderr=(work / "torchrun.log").open("w"), timeout=900)
+    return step_gaps(output / "steps.jsonl")
+
+
+def run_ultrad(work: Path, job: Path, steps: int, nodes: int, snapshots: bool) -> list[float]:
+    from daemon.cli.local import LocalCluster, _call
+    from proto.ultrascale.v1 import agent_pb2 as pb
+
+    cluster = LocalCluster(work / "state", nodes, 1, ttl=2)
+    output = work / "output"
+    pids: set[int] = set()
+    try:
+        cluster.start(timeout=90)
+        token = cluster.token_file.read_text().strip()
+        overrides = [f'job.output_dir="{output}"', "checkpoint.every=0",
+                     f"train.steps={steps}",
+                     f"checkpoint.snapshot_every={1 if snapshots else 0}"]
+        _call(cluster, token, "SubmitJob",
+              pb.SubmitJobRequest(spec_toml=job.read_text(), overrides=overrides))
+
+        def finished() -> bool:
+            for proc in cluster.agents.values():
+                pids.update(_descendants(proc.pid))
+            return _call(cluster, token, "GetStatus", pb.GetStatusRequest()).finished
+
+        _wait(finished, 900, "the job to finish", 0.5)
+    finally:
+        cluster.stop()
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, 9)
+    return step_gaps(output / "steps.jsonl")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.overhead", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--runs", type=int, default=3)
+    p.add_argument("--steps", type=int, default=60)
+    p.add_argument("--nodes", type=int, default=3)
+    args = p.parse_args(argv)
+    if args.runs < 1 or args.steps <= WARMUP + 2 or args.nodes < 1:
+        p.error("--runs >= 1, --steps > 7 and --nodes >= 1")
+    root = Path(tempfile.mkdtemp(prefix="bench-overhead-"))
+    job = write_job(root)
+    medians: dict[str, list[float]] = {arm: [] for arm in ARMS}
+    for run in range(args.runs):
+        for arm in ARMS:
+            work = root / f"{arm}-{run}"
+            work.mkdir()
+            started = time.monotonic()
+            if arm == "bare":
+                gaps = run_bare(work, job, args.steps, args.nodes)
+            else:
+                gaps = run_ultrad(work, job, args.steps, args.nodes, arm == "ultrad+snap")
+            medians[arm].append(statistics.median(gaps))
+            print(f"  {arm} run {run}: median step {medians[arm][-1] * 1e3:.1f} ms over "
+                  f"{len(gaps)} steps ({time.monotonic() - started:.0f}s)", file=sys.stderr,
+                  flush=True)
+    base = statistics.median(medians["bare"])
+    print(f"\nwall time per step, {args.nodes} ranks (median over {args.runs} runs of each run's "
+          f"median over steps {WARMUP + 1}..{args.steps})")
+    print(f"{'arm':<12} {'ms/step':>8} {'vs bare':>8}")
+    for arm in ARMS:
+        m = statistics.median(medians[arm])
+        print(f"{arm:<12} {m * 1e3:>8.1f} {m / base:>7.2f}x")
+    shutil.rmtree(root, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,65 @@
+"""Agent-to-agent snapshot replication and reads: the SnapshotPeer service (docs/snapshots.md).
+
+A peer streams a file of a snapshot step to its buddy (`PutFile`: a header, then the data in
+pieces of at most 1 MiB) and reads byte ranges of files another agent holds (`ReadRange`).
+Calls carry the job's peer secret (`authorization: Bearer <secret>`, auth.py), which every
+agent reads from etcd: admin tokens stay per node.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+import grpc
+
+from checkpoint.snapshot_format import SnapshotInvalid
+from daemon.node.snapshot_files import PIECE_BYTES, Incoming
+from daemon.node.snapshot_keeper import SnapshotKeeper
+from proto.ultrascale.v1 import agent_pb2 as pb
+from proto.ultrascale.v1 import agent_pb2_grpc as pb_grpc
+
+# The largest file a peer may send (a shard of one rank): beyond it the sender is broken.
+MAX_FILE_BYTES = 1 << 40
+
+
+class SnapshotPeerService(pb_grpc.SnapshotPeerServicer):
+    def __init__(self, keeper: SnapshotKeeper) -> None:
+        self.keeper = keeper
+
+    async def PutFile(self, request_iterator: AsyncIterator[pb.FileChunk],
+                      context: grpc.aio.ServicerContext) -> pb.PutFileReply:
+        header: Incoming | None = None
+        data = bytearray()
+        async for message in request_iterator:
+            if header is None:
+                if message.step < 0 or not message.file or not 0 <= message.size <= \
+                        MAX_FILE_BYTES:
+                    await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                        "step, file and size: the first message names the file")
+                header = Incoming(message.step, message.file, message.size,
+                                  tuple(message.chunks), message.rank)
+            data += message.data
+            if len(data) > header.size:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                    f"{header.file}: more than its {header.size} bytes")
+        if header is None:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "no message")
+        try:
+            self.keeper.store(header, bytes(data))
+        except SnapshotInvalid as exc:
+            await context.abort(grpc.StatusCode.DATA_LOSS, str(exc))
+        return pb.PutFileReply()
+
+    async def ReadRange(self, request: pb.SnapshotRange,
+                        context: grpc.aio.ServicerContext) -> AsyncIterator[pb.SnapshotBytes]:
+        try:
+            data = self.keeper.read(request.step, request.file, request.offset, request.length)
+        except ValueError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        if data is None:
+            await context.abort(grpc.StatusCode.NOT_FOUND,
+                                f"snapshot step {request.step}: {request.file} is not held here")
+        for start in range(0, len(data), PIECE_BYTES):
+            yield pb.SnapshotBytes(data=data[start:start + PIECE_BYTES])
+        if not data:
+            yield pb.SnapshotBytes(data=b"")

@@ -1,0 +1,393 @@
+"""This node's in-memory snapshots, from the agent's side (docs/snapshots.md).
+
+Workers write each snapshot step into the node's shared memory (`root`); the keeper, a task of
+the agent, then
+- replicates every shard this node's workers wrote to the node's **buddy** (the next node of
+  the running generation, in name order, that is alive) and the coordinator's `.metadata` and
+  manifest to every member, over the peers' SnapshotPeer service;
+- publishes what the node holds (`snapshots/<node>`, under the agent's lease, so it vanishes
+  with the node): the leader plans a restore from the newest step the live members can
+  assemble;
+- keeps the newest `keep` steps it holds a manifest for (and anything newer) and frees the rest;
+- serves byte ranges of what it holds, to its own workers and to peers.
+
+Received copies are verified against their chunk checksums before they are kept; what a
+restoring worker reads is verified again, end to end, by its reader.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import shutil
+from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
+
+from checkpoint.snapshot_format import (
+    CHUNK_BYTES,
+    MANIFEST_NAME,
+    METADATA_NAME,
+    FileEntry,
+    SnapshotInvalid,
+    SnapshotManifest,
+    chunk_checksums,
+    parse_step_dir,
+    record_name,
+    record_rank,
+    shard_rank,
+    snapshot_root,
+    step_dir,
+    verify_span,
+    write_atomically,
+)
+from daemon.config import AgentConfig
+from daemon.control.decide import newest_assemblable
+from daemon.control.etcd_client import ETCD_ERRORS, Etcd
+from daemon.control.keys import Keys
+from daemon.control.records import HeldStep, SnapshotHoldings
+from daemon.control.view import ClusterView
+from daemon.node.snapshot_files import (
+    Incoming,
+    file_pieces,
+    listdir,
+    parse_step_manifest,
+    size_of,
+)
+
+log = logging.getLogger(__name__)
+
+
+
+# send(address, header, pieces): one PutFile call to a peer (api/snapshot_service.py).
+Send = Callable[[str, Incoming, AsyncIterator[bytes]], Awaitable[None]]
+# on_held(bytes held here, newest step the live members can assemble (-1: none), job's step)
+OnHeld = Callable[[int, int, int], None]
+
+
+class SnapshotKeeper:
+    def __init__(self, root: Path, node: str, address: str, view: ClusterView, etcd: Etcd,
+                 keys: Keys, send: Send, lease: Callable[[], int], keep: int = 2,
+                 poll_s: float = 0.05, on_held: OnHeld = lambda *_: None) -> None:
+        self.root, self.node, self.address = Path(root), node, address
+        self.on_held = on_held
+        self.view, self.etcd, self.keys = view, etcd, keys
+        self.send, self.lease, self.keep, self.poll_s = send, lease, keep, poll_s
+        self.wake = asyncio.Event()
+        self._sent: dict[tuple[int, str], set[str]] = {}  # (step, file) -> nodes holding a copy
+        self._received: set[tuple[int, str]] = set()
+        self._published: tuple[int, SnapshotHoldings] | None = None  # (lease, holdings)
+        self._spec_revision = 0  # the job submission the snapshots here belong to
+        self._cache: dict[Path, tuple[tuple[int, int, int], object]] = {}
+        self._last_signature: tuple[object, ...] = ()
+        self._retry = False  # a send or publication failed: work again at the next poll
+        self.bytes_held = 0
+        self.replicated_bytes = 0
+        self.served_local_bytes = 0  # to this node's restoring workers, from its own memory
+        self.served_peer_bytes = 0   # ... relayed from peers' memory
+
+    @classmethod
+    def for_agent(cls, config: AgentConfig, view: ClusterView, etcd: Etcd, keys: Keys,
+                  send: Send, lease: Callable[[], int], on_held: OnHeld) -> SnapshotKeeper | None:
+        """The keeper of an agent that runs workers (None for a control-plane-only agent)."""
+        if not config.workers:
+            return None
+        root = snapshot_root(config.job, config.snapshot_base) / config.node_id
+        return cls(root, config.node_id, "", view, etcd, keys, send, lease, on_held=on_held)
+
+    @staticmethod
+    def env(keeper: SnapshotKeeper | None) -> dict[str, str]:
+        """The workers' environment: where they write snapshots (unset: they take none)."""
+        return {"ULTRA_SNAPSHOT_ROOT": str(keeper.root)} if keeper is not None else {}
+
+    # -- lifecycle ----------------------------------------------------------------------------
+
+    def clear(self) -> None:
+        """Free everything: at agent start (nothing held there belongs to a live history the
+        cluster still counts on this node for) and at a clean stop."""
+        shutil.rmtree(self.root, ignore_errors=True)
+
+    async def run(self) -> None:
+        self.root.mkdir(parents=True, exist_ok=True)
+        await self._ensure_secret()
+        while True:
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(self.poll_s):
+                    await self.wake.wait()
+            self.wake.clear()
+            signature = self._signature()
+            if signature != self._last_signature or self._retry:
+                # Something changed here (a file written, received or freed) or in the
+                # cluster (a new generation, a node came or went), or a send must be retried.
+                self._retry = False
+                self._follow_job()
+                await self._replicate()
+                self._prune()
+                try:
+                    await self._publish()
+                except ETCD_ERRORS as exc:
+                    self._retry = True
+                    log.warning("snapshot holdings not published (%s); retrying",
+                                type(exc).__name__)
+                self._last_signature = self._signature()
+            live = {n: h for n, h in self.view.snapshots.items()
+                    if n in self.view.nodes and h.spec_revision == self._spec_revision}
+            self.on_held(self.bytes_held, newest_assemblable(live)[0], self.view.progress.step)
+
+    def _signature(self) -> tuple[object, ...]:
+        """What the keeper's work depends on, cheaply: the root's and each step directory's
+        mtime (files appear in them by create or rename), the generation, the live nodes, the
+        lease and the job. Unchanged, a poll does nothing (most polls, between two steps)."""
+        try:
+            dirs = tuple(sorted((e.name, e.stat().st_mtime_ns) for e in os.scandir(self.root)
+                                if e.is_dir()))
+        except FileNotFoundError:
+            dirs = ()
+        spec = self.view.spec
+        return (dirs, self.view.generation, tuple(sorted(self.view.nodes)), self.lease(),
+                spec.mod_revision if spec is not None else 0)
+
+    def _follow_job(self) -> None:
+        """A new job submission makes every snapshot held here worthless: free them."""
+        spec = self.view.spec
+        revision = spec.mod_revision if spec is not None else 0
+        if revision != self._spec_revision:
+            if self._spec_revision:
+                self.clear()
+                self.root.mkdir(parents=True, exist_ok=True)
+                self._sent.clear()
+                self._received.clear()
+            self._spec_revision = revision
+
+    async def _ensure_secret(self) -> None:
+        """The job's peer secret: created once, by whichever agent gets there first."""
+        import secrets
+
+        while not self.view.peer_secret:
+            try:
+                tx = self.etcd.tx
+                await self.etcd.txn([tx.create(self.keys.peer_secret) == 0],
+                                    [tx.put(self.keys.peer_secret,
+                                            secrets.token_urlsafe(32).encode())])
+            except ETCD_ERRORS:
+                pass
+            await self.view.wait_for(lambda: bool(self.view.peer_secret), 1.0)
+
+    # -- what is here -------------------------------------------------------------------------
+
+    def _steps(self) -> dict[int, Path]:
+        found = {}
+        with contextlib.suppress(FileNotFoundError):
+            for entry in os.scandir(self.root):
+                step = parse_step_dir(entry.name)
+                if step is not None and entry.is_dir():
+                    found[step] = Path(entry.path)
+        return found
+
+    def _parsed(self, path: Path, parse: Callable[[bytes], object]) -> object | None:
+        """`parse(bytes of path)`, cached while the file's inode, size and mtime stay the same
+        (files are replaced by rename, never rewritten in place): the keeper looks at every
+        held file every poll, and parsing them all again cost an agent 10% of a core."""
+        try:
+            st = os.stat(path)
+        except FileNotFoundError:
+            self._cache.pop(path, None)
+            return None
+        key = (st.st_ino, st.st_size, st.st_mtime_ns)
+        cached = self._cache.get(path)
+        if cached is not None and cached[0] == key:
+            return cached[1]
+        try:
+            value = parse(path.read_bytes())
+        except (OSError, ValueError, SnapshotInvalid):
+            value = None
+        self._cache[path] = (key, value)
+        return value
+
+    def _record(self, directory: Path, rank: int) -> FileEntry | None:
+        name = record_name(rank)
+        value = self._parsed(directory / name,
+                             lambda raw: FileEntry.from_json(json.loads(raw), name))
+        return value if isinstance(value, FileEntry) else None
+
+    def held(self) -> tuple[HeldStep, ...]:
+        """Every step with at least one whole shard or a manifest here, oldest first."""
+        out, total = [], 0
+        for step, directory in sorted(self._steps().items()):
+            manifest = self._manifest(directory, step)
+            ranks = []
+            for name in listdir(directory):
+                rank = shard_rank(name)
+                if rank is None:
+                    continue
+                entry = self._record(directory, rank)  # written after the shard: it is whole
+                size = size_of(directory / name)
+                if entry is not None and size == entry.size:
+                    ranks.append(rank)
+                    total += size
+            metadata = manifest is not None and size_of(directory / METADATA_NAME) == \
+                manifest.file(METADATA_NAME).size
+            if ranks or metadata:
+                out.append(HeldStep(step, tuple(sorted(ranks)),
+                                    manifest.world_size if manifest else 0, metadata))
+        self.bytes_held = total
+        return tuple(out)
+
+    def _manifest(self, directory: Path, step: int) -> SnapshotManifest | None:
+        value = self._parsed(directory / MANIFEST_NAME, lambda raw: parse_step_manifest(raw, step))
+        return value if isinstance(value, SnapshotManifest) else None
+
+    def read(self, step: int, file: str, offset: int, length: int) -> bytes | None:
+        """Raw bytes of a file held here (None: not here). Readers verify them themselves."""
+        path = step_dir(self.root, step) / file
+        if shard_rank(file) is None and record_rank(file) is None \
+                and file not in (METADATA_NAME, MANIFEST_NAME):
+            raise ValueError(f"file: not a snapshot file name ({file!r})")
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except FileNotFoundError:
+            return None
+        try:
+            size = os.fstat(fd).st_size
+            if length < 0:
+                length = max(0, size - offset)
+            return os.pread(fd, length, offset)
+        finally:
+            os.close(fd)
+
+    def holder(self, step: int, file: str) -> str | None:
+        """The address of a live peer that holds `file` of `step`, per the published holdings."""
+        rank = shard_rank(file)
+        rank = record_rank(file) if rank is None else rank
+        for node, h in sorted(self.view.snapshots.items()):
+            if node == self.node or node not in self.view.nodes:
+                continue
+            for held in h.steps:
+                if held.step == step and (rank in held.ranks if rank is not None
+                                          else held.metadata):
+                    return h.address
+        return None
+
+    # -- receiving ----------------------------------------------------------------------------
+
+    def store(self, header: Incoming, data: bytes) -> None:
+        """Keep a peer's copy once it verifies; raises SnapshotInvalid when it does not."""
+        where = f"copy of snapshot step {header.step}: {header.file} from a peer"
+        if shard_rank(header.file) is None and header.file not in (METADATA_NAME, MANIFEST_NAME):
+            raise SnapshotInvalid(f"{where}: not a snapshot file name")
+        if len(data) != header.size:
+            raise SnapshotInvalid(f"{where} is truncated: {len(data)} of {header.size} bytes")
+        if header.file == MANIFEST_NAME:
+            SnapshotManifest.parse(data, where)
+        else:
+            entry = FileEntry(header.file, header.rank, header.size, header.chunks)
+            if len(header.chunks) != -(-header.size // CHUNK_BYTES):
+                raise SnapshotInvalid(f"{where}: {len(header.chunks)} chunk checksums for "
+                                      f"{header.size} bytes")
+            verify_span(entry, 0, header.size, data, where)
+        directory = step_dir(self.root, header.step)
+        directory.mkdir(parents=True, exist_ok=True)
+        rank = shard_rank(header.file)
+        if rank is not None:
+            record = {"step": header.step, **FileEntry(header.file, rank, header.size,
+                                                       header.chunks).to_json()}
+            write_atomically(directory / record_name(rank), json.dumps(record).encode())
+        write_atomically(directory / header.file, data)
+        self._received.add((header.step, header.file))
+        self.wake.set()
+
+    # -- replicating --------------------------------------------------------------------------
+
+    def _buddy(self) -> str | None:
+        plan = self.view.plan
+        if plan is None:
+            return None
+        ring = sorted(set(plan.nodes))
+        if self.node not in ring:
+            return None
+        i = ring.index(self.node)
+        for other in ring[i + 1:] + ring[:i]:
+            if other in self.view.nodes:
+                return other
+        return None
+
+    async def _replicate(self) -> None:
+        steps = self._steps()
+        buddy = self._buddy()
+        for step in sorted(steps)[-(self.keep + 1):]:
+            directory = steps[step]
+            names = set(listdir(directory))
+            manifest = self._manifest(directory, step) if MANIFEST_NAME in names else None
+            for name in sorted(names):
+                rank = shard_rank(name)
+                if rank is None or (step, name) in self._received or buddy is None:
+                    continue
+                entry = self._record(directory, rank)
+                if entry is not None and size_of(directory / name) == entry.size:
+                    await self._send_to(buddy, step, directory, entry)
+            if manifest is not None and (step, MANIFEST_NAME) not in self._received:
+                # The coordinator's node: .metadata, then the manifest, to every member.
+                plan = self.view.plan
+                for node in sorted(set(plan.nodes) if plan else ()):
+                    if node != self.node and node in self.view.nodes:
+                        await self._send_to(node, step, directory,
+                                            manifest.file(METADATA_NAME))
+                        blob = (directory / MANIFEST_NAME).read_bytes()
+                        await self._send_to(node, step, directory,
+                                            FileEntry(MANIFEST_NAME, -1, len(blob),
+                                                      chunk_checksums(blob)))
+
+    async def _send_to(self, node: str, step: int, directory: Path, entry: FileEntry) -> None:
+        done = self._sent.setdefault((step, entry.path), set())
+        member = self.view.nodes.get(node)
+        if node in done or member is None:
+            return
+        header = Incoming(step, entry.path, entry.size, entry.chunks, entry.rank)
+        if size_of(directory / entry.path) != entry.size:
+            return  # freed meanwhile
+        try:
+            await self.send(member.record.address, header, file_pieces(directory / entry.path))
+        except Exception as exc:  # noqa: BLE001 - a peer's failure must not end the keeper
+            log.warning("snapshot step %d: sending %s to %s failed: %s", step, entry.path,
+                        node, str(exc)[:300])
+            self._retry = True
+            return
+        done.add(node)
+        self.replicated_bytes += entry.size
+
+    # -- retention and publication ------------------------------------------------------------
+
+    def _prune(self) -> None:
+        """Keep the newest `keep` steps with a manifest here and anything newer; and never more
+        than `keep + 2` steps in all, so a node whose manifests stop arriving (its peers are
+        gone) still does not fill its memory."""
+        steps = self._steps()
+        with_manifest = [s for s in sorted(steps)
+                         if self._manifest(steps[s], s) is not None]
+        bounds = [sorted(steps)[-(self.keep + 2)]] if len(steps) > self.keep + 2 else []
+        if len(with_manifest) >= self.keep:
+            bounds.append(with_manifest[-self.keep])
+        if not bounds:
+            return
+        oldest_kept = max(bounds)
+        for step in steps:
+            if step < oldest_kept:
+                shutil.rmtree(steps[step], ignore_errors=True)
+        for key in [k for k in self._sent if k[0] < oldest_kept]:
+            del self._sent[key]
+        live = {steps[s] for s in steps if s >= oldest_kept}
+        self._cache = {p: v for p, v in self._cache.items() if p.parent in live}
+        self._received = {k for k in self._received if k[0] >= oldest_kept}
+
+    async def _publish(self) -> None:
+        lease = self.lease()
+        if not lease:
+            return
+        holdings = SnapshotHoldings(self.node, self.address, self.held(), self._spec_revision)
+        if self._published == (lease, holdings):
+            return
+        await self.etcd.put(self.keys.snapshot_holdings(self.node), holdings.to_json(),
+                            lease=lease)
+        self._published = (lease, holdings)

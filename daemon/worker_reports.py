@@ -1,0 +1,75 @@
+"""What the agent does with its workers' reports (the WorkerHost side of
+daemon/node/worker_service.py): hang bookkeeping, metrics, and global rank 0's progress,
+checkpoints and restores, which its agent records in etcd (daemon/node/progress.py)."""
+
+from __future__ import annotations
+
+import time
+
+from daemon.api.metrics import Metrics
+from daemon.control.records import RestoreRecord
+from daemon.control.view import ClusterView
+from daemon.node.progress import ProgressWriter
+from daemon.node.watchdog import HangDetector
+from parallel.planner import Plan
+from proto.ultrascale.v1 import agent_pb2 as pb
+
+
+class WorkerReports:
+    """Mixed into the Agent, which owns these attributes."""
+
+    node_id: str
+    view: ClusterView
+    hangs: HangDetector
+    metrics: Metrics
+    progress: ProgressWriter
+    # (monotonic time, generation) of the failure a recovery is measured from
+    _failure_at: tuple[float, int] | None
+
+    def handed(self, local_rank: int, generation: int) -> None:
+        self.hangs.beat(local_rank, generation, "idle" if not generation else "join", 0,
+                        time.monotonic())
+
+    def on_heartbeat(self, beat: pb.HeartbeatRequest) -> None:
+        self.hangs.beat(beat.local_rank, beat.generation, beat.phase, beat.step,
+                        time.monotonic())
+
+    def on_step(self, report: pb.StepReport) -> None:
+        plan = self.view.plan
+        self.hangs.step_done(report.local_rank, report.step, report.step_seconds,
+                             time.monotonic())
+        mine = plan.ranks_of(self.node_id) if plan else ()
+        if report.local_rank == min((r.local_rank for r in mine), default=0):
+            self.metrics.observe_step(report)
+            if self._failure_at is not None and report.generation > self._failure_at[1]:
+                self.metrics.recovery.observe(time.monotonic() - self._failure_at[0])
+                self._failure_at = None
+        if report.global_rank == 0:
+            self.progress.report(report.generation, step=report.step,
+                                 consumed_samples=report.consumed_samples, loss=report.loss)
+
+    def on_checkpoint(self, report: pb.CheckpointReport) -> None:
+        if report.global_rank == 0:
+            self.metrics.observe_checkpoint(report)
+            self.progress.checkpoint(report.generation, report.step, report.path)
+
+    def on_restore(self, report: pb.RestoreReport) -> None:
+        if report.global_rank == 0:
+            record = restore_record(report, self.view.plan)
+            self.metrics.observe_restore(record)
+            self.progress.restored(record)
+
+    def on_done(self, report: pb.DoneReport) -> None:
+        if report.global_rank == 0:
+            self.progress.report(report.generation, urgent=True, step=report.step,
+                                 consumed_samples=report.consumed_samples,
+                                 finished=not report.stopped, stopped=report.stopped)
+
+
+def restore_record(report: pb.RestoreReport, plan: Plan | None) -> RestoreRecord:
+    """Global rank 0's restore report as the generation's `restore` record."""
+    planned = f"{plan.restore.source}@{plan.restore.step}" \
+        if plan is not None and plan.generation == report.generation else ""
+    return RestoreRecord(generation=report.generation, source=report.source, step=report.step,
+                         planned=planned, skipped=report.skipped[:1000], seconds=report.seconds,
+                         snapshot_bytes=report.snapshot_bytes)

@@ -1,0 +1,143 @@
+"""The agent's side of snapshots on real shared-memory files: what it keeps from peers (only
+what verifies), what it says it holds, what it frees, what it serves."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import tempfile
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from checkpoint.snapshot_format import (
+    MANIFEST_NAME,
+    METADATA_NAME,
+    SnapshotInvalid,
+    chunk_checksums,
+    record_name,
+    shard_name,
+    shard_rank,
+    step_dir,
+)
+from daemon.control.records import HeldStep, SnapshotHoldings
+from daemon.node.snapshot_files import Incoming
+from daemon.node.snapshot_keeper import SnapshotKeeper
+from tests.unit.test_snapshot_store import make_step
+
+pytestmark = pytest.mark.unit
+
+
+@pytest.fixture
+def root():
+    path = Path(tempfile.mkdtemp(dir="/dev/shm", prefix="ultrascale-test-"))
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def keeper(root: Path, view=None) -> SnapshotKeeper:
+    view = view or SimpleNamespace(snapshots={}, nodes={}, plan=None)
+    return SnapshotKeeper(root, "a", "a:1", view, None, None, None, lambda: 0)  # type: ignore[arg-type]
+
+
+def header(step: int, rank: int, data: bytes) -> Incoming:
+    return Incoming(step, shard_name(rank), len(data), chunk_checksums(data), rank)
+
+
+def test_a_peers_shard_is_kept_with_its_record_once_it_verifies(root):
+    k = keeper(root)
+    data = bytes(range(256)) * 50
+    k.store(header(7, 2, data), data)
+    directory = step_dir(root, 7)
+    assert (directory / shard_name(2)).read_bytes() == data
+    record = json.loads((directory / record_name(2)).read_text())
+    assert record["size"] == len(data) and record["step"] == 7
+    assert k.held() == (HeldStep(7, (2,), 0, False),)
+
+
+@pytest.mark.parametrize("damage", ["bit flip", "truncated", "extra checksum"])
+def test_a_damaged_copy_is_refused_and_nothing_is_kept(root, damage):
+    k = keeper(root)
+    data = bytes(range(256)) * 50
+    h = header(7, 1, data)
+    if damage == "bit flip":
+        sent = bytearray(data)
+        sent[1000] ^= 0x04
+        sent = bytes(sent)
+    elif damage == "truncated":
+        sent = data[:-10]
+    else:
+        h = Incoming(h.step, h.file, h.size, h.chunks + (1,), h.rank)
+        sent = data
+    with pytest.raises(SnapshotInvalid):
+        k.store(h, sent)
+    assert not (step_dir(root, 7) / shard_name(1)).exists()
+    assert k.held() == ()
+
+
+def test_a_damaged_manifest_is_refused(root):
+    make_step(root, 3, [100, 200])
+    blob = bytearray((step_dir(root, 3) / MANIFEST_NAME).read_bytes())
+    blob[blob.index(b'"size"') + 8] ^= 1
+    k = keeper(root / "other")
+    with pytest.raises(SnapshotInvalid, match="manifest|checksum"):
+        k.store(Incoming(3, MANIFEST_NAME, len(blob), (), -1), bytes(blob))
+
+
+def test_file_names_outside_the_format_are_refused(root):
+    k = keeper(root)
+    for name in ("../escape", "rank_1.distcp", "notes.txt"):
+        with pytest.raises(SnapshotInvalid):
+            k.store(Incoming(1, name, 1, chunk_checksums(b"x"), 0), b"x")
+        with pytest.raises(ValueError):
+            k.read(1, name, 0, -1)
+    assert shard_rank("rank_00003.distcp") == 3 and shard_rank("rank_3.distcp") is None
+
+
+def test_held_steps_name_their_shards_world_size_and_metadata(root):
+    make_step(root, 4, [100, 200, 300])
+    (step_dir(root, 4) / shard_name(1)).unlink()  # not here
+    with open(step_dir(root, 4) / shard_name(2), "r+b") as f:
+        f.truncate(10)  # being written: not whole
+    assert keeper(root).held() == (HeldStep(4, (0,), 3, True),)
+
+
+def test_the_newest_two_steps_with_a_manifest_are_kept_and_older_ones_freed(root):
+    for step in (1, 2, 3):
+        make_step(root, step, [64])
+    make_step(root, 4, [64], manifest=False)  # in progress
+    k = keeper(root)
+    k._prune()
+    assert sorted(p.name for p in root.iterdir()) == ["step_00000002", "step_00000003",
+                                                      "step_00000004"]
+
+
+def test_reads_serve_ranges_and_whole_files_and_none_when_absent(root):
+    contents = make_step(root, 5, [1000])
+    k = keeper(root)
+    assert k.read(5, shard_name(0), 10, 20) == contents[shard_name(0)][10:30]
+    assert k.read(5, shard_name(0), 0, -1) == contents[shard_name(0)]
+    assert k.read(5, METADATA_NAME, 0, -1) is not None
+    assert k.read(6, shard_name(0), 0, -1) is None
+
+
+def test_a_file_not_held_here_is_read_from_a_live_peer_that_holds_it(root):
+    view = SimpleNamespace(
+        nodes={"b": object(), "c": object()},
+        snapshots={"b": SnapshotHoldings("b", "b:1", (HeldStep(5, (0,), 2, False),)),
+                   "c": SnapshotHoldings("c", "c:1", (HeldStep(5, (1,), 2, True),)),
+                   "d": SnapshotHoldings("d", "d:1", (HeldStep(5, (0, 1), 2, True),))},
+        plan=None)
+    k = keeper(root, view)
+    assert k.holder(5, shard_name(0)) == "b:1"
+    assert k.holder(5, shard_name(1)) == "c:1"
+    assert k.holder(5, METADATA_NAME) == "c:1"  # d holds everything but is no member
+    assert k.holder(4, shard_name(0)) is None
+
+
+def test_steps_without_manifests_are_bounded_too(root):
+    for step in range(1, 8):
+        make_step(root, step, [64], manifest=False)  # the coordinator's node is unreachable
+    keeper(root)._prune()
+    assert sorted(p.name for p in root.iterdir()) == [f"step_{s:08d}" for s in (4, 5, 6, 7)]

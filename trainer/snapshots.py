@@ -1,0 +1,108 @@
+"""A worker's in-memory snapshots: take one every `checkpoint.snapshot_every` steps, and restore
+the tier the plan names, falling back to the next (docs/snapshots.md).
+
+Snapshots go into the node's shared memory (`$ULTRA_SNAPSHOT_ROOT`, owned by the agent), so a
+crashed worker loses nothing it finished writing; the agent replicates them to a buddy node
+and serves them to restoring workers anywhere. Taking one is collective (DCP), and every rank
+decides the same way (by step number), so no rank waits on another that skipped.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch.distributed as dist
+from torch.distributed.checkpoint.api import CheckpointException
+
+from checkpoint.snapshot_format import SnapshotInvalid
+from checkpoint.snapshot_reader import Fetch, load_snapshot
+from checkpoint.snapshot_writer import (
+    CoordinatorTemplate,
+    Template,
+    rewrite_snapshot,
+    save_snapshot,
+)
+from checkpoint.state import TrainState
+
+
+@dataclass(frozen=True)
+class Restored:
+    """What a generation's restore loaded, and why a faster tier was skipped."""
+
+    source: str  # init | checkpoint | snapshot
+    step: int
+    skipped: str = ""  # why the plan's snapshot was not used ("" when it was, or none was named)
+    seconds: float = 0.0
+    snapshot_bytes: int = 0
+    name: str = ""  # the checkpoint directory's name, or "snapshot@<step>"
+
+
+class CountingFetch:
+    """A fetch that counts the bytes it returned."""
+
+    def __init__(self, fetch: Fetch) -> None:
+        self.fetch = fetch
+        self.bytes = 0
+
+    def __call__(self, file: str, offset: int, length: int) -> bytes:
+        data = self.fetch(file, offset, length)
+        self.bytes += len(data)
+        return data
+
+
+class Snapshots:
+    """This rank's snapshots in one generation: when they are due, and taking one without ever
+    failing the step.
+
+    The first is a full DCP save (collective: it plans where every item goes and writes the
+    metadata); every later one rewrites the same items at the same offsets with no collective at
+    all (`rewrite_snapshot`), so a step pays about a memory copy and its checksums.
+    """
+
+    def __init__(self, root: Path, every: int, layout: dict[str, Any],
+                 log: Callable[[str], None]) -> None:
+        self.root, self.every, self.layout, self.log = Path(root), every, layout, log
+        self.blocking_seconds = 0.0  # the last snapshot's time on the training path
+        self.failures = 0
+        self._template: Template | None = None
+        self._coordinator: CoordinatorTemplate | None = None
+
+    def due(self, step: int) -> bool:
+        return self.every > 0 and step % self.every == 0
+
+    def take(self, state: TrainState) -> bool:
+        """Snapshot `state` now. A failure (shared memory full) is logged, not raised: the step
+        is committed, only protection is lost. The full save fails on every rank alike (DCP
+        gathers failures), so every rank tries it again at the next snapshot; a rewrite fails
+        on its rank alone, and that step cannot be assembled."""
+        started = time.perf_counter()
+        try:
+            if self._template is None:
+                writer = save_snapshot(state, self.root, layout=self.layout)
+                self._template, self._coordinator = writer.template, writer.coordinator
+            else:
+                rewrite_snapshot(state, self.root, self._template, self._coordinator,
+                                 layout=self.layout)
+        except (CheckpointException, OSError, ValueError) as exc:
+            self.failures += 1
+            if self.failures == 1 or dist.get_rank() == 0:
+                self.log(f"snapshot of step {state.progress.step} failed on rank "
+                         f"{dist.get_rank()}: {exc}"[:500])
+            return False
+        self.blocking_seconds = time.perf_counter() - started
+        return True
+
+
+def restore_snapshot(state: TrainState, step: int, fetch: Fetch) -> tuple[str, int]:
+    """Load snapshot `step` through `fetch`; ("", bytes) or (why it failed, bytes) on every
+    rank alike (the reader fails all ranks together before any tensor is written)."""
+    counting = CountingFetch(fetch)
+    try:
+        load_snapshot(state, step, counting)
+    except SnapshotInvalid as exc:
+        return str(exc), counting.bytes
+    return "", counting.bytes
