@@ -59,8 +59,6 @@ from daemon.node.snapshot_files import (
 
 log = logging.getLogger(__name__)
 
-
-
 # send(address, header, pieces): one PutFile call to a peer (api/snapshot_service.py).
 Send = Callable[[str, Incoming, AsyncIterator[bytes]], Awaitable[None]]
 # on_held(bytes held here, newest step the live members can assemble (-1: none), job's step)

@@ -181,7 +181,8 @@ class ChaosRun:
                  steps: int = 30, every: int = 4, keep: int = 2, tp: int = 1,
                  checkpoint_dir: str = "checkpoints", fault: dict[str, Any] | None = None,
                  env: dict[str, str] | None = None, hosts: Hosts | None = None,
-                 parallel: dict[str, Any] | None = None) -> None:
+                 parallel: dict[str, Any] | None = None,
+                 snapshot_every: int | None = None) -> None:
         self.root, self.scenario, self.report = root, scenario, report
         self.replay_cache = replay_cache
         self.steps, self.every, self.ttl = steps, every, ttl
@@ -195,7 +196,9 @@ class ChaosRun:
         parallel = {**({"tp": tp} if tp > 1 else {}), **(parallel or {})}
         sections: dict[str, dict[str, Any]] = {
             "job": {"name": "chaos"}, "train": {"steps": steps},
-            "checkpoint": {"dir": checkpoint_dir, "every": every, "keep": keep},
+            "checkpoint": {"dir": checkpoint_dir, "every": every, "keep": keep,
+                           **({} if snapshot_every is None
+                              else {"snapshot_every": snapshot_every})},
         }
         if parallel:
             sections["parallel"] = parallel

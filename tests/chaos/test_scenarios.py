@@ -224,7 +224,9 @@ def _manifests(root: Path) -> list[Path]:
 
 def test_corrupt_newest_checkpoint(chaos) -> None:
     every = 4
-    run = chaos(every=every)
+    # The durable tier's own fallback: without in-memory snapshots the restore must come from
+    # disk (with them it comes from memory: tests/chaos/test_snapshot_scenarios.py).
+    run = chaos(every=every, snapshot_every=0)
     run.submit()
     ckpts = run.output / "checkpoints"
     # The first checkpoint at or after step 12 whose manifest is written: corrupt it at once
