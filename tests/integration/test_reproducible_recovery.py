@@ -2,7 +2,8 @@
 committed losses and the final weights equal a dp=1 run of the same job bit for bit.
 
 The same cluster as test_training_recovery.py (real etcd, agents and persistent workers): dp 3
-until the kill, then the survivors restore the last checkpoint at dp 2 and finish. Without the
+until the kill, then the survivors restore at dp 2 (the newest in-memory snapshot they can
+assemble, the dead node's shard from its buddy, else the last checkpoint) and finish. Without the
 mode the two runs agree within 1e-4; with it, exactly.
 """
 
