@@ -9,10 +9,10 @@ Every arm trains the same small job (a 2-layer GQA Llama on a synthetic token fi
 kills one node at about step `--kill-step` (SIGKILL to the node's agent and its worker), and times
 from the kill to:
 
-  detect     the failure is known to the control plane. ultrad: the leader's log line
-             "failure in generation g" (a survivor's collective failed, the leader probed the
-             generation's agents and revoked the dead one's lease). torchrun: the first survivor
-             agent logging that its worker group failed.
+  detect     the failure is known to the control plane. ultrad: the first survivor agent's
+             log line "worker ... failed in generation g" (its worker's collective failed and
+             it reported that). torchrun: the first survivor agent logging that its worker
+             group failed.
   rdzv       the new world is agreed. ultrad: the leader's log line "generation g+1"; torchrun:
              the first "Rendezvous complete" logged by a survivor after the kill.
   restore    the state is restored: the start of the first step after recovery (its completion
@@ -264,10 +264,20 @@ def run_ultrad(work: Path, job: Path, kill_step: int, run: int, arm: str = "ultr
             t = _log_time(line)
             if t is None or t < t_kill - 0.01:
                 continue
-            if res.detect is None and f"failure in generation {generation}" in line:
-                res.detect = t - t_kill
-            if res.rdzv is None and re.search(r"daemon\.leader: generation \d+ \(", line):
+            if res.rdzv is None and re.search(r"control\.leader: generation \d+ \(", line):
                 res.rdzv = t - t_kill
+        # Detected: the first survivor agent told of the failure (its worker's report).
+        for node in cluster.agents:
+            if node == victim:
+                continue
+            log_text = (cluster.state_dir / node / "ultrad.log").read_text(errors="replace")
+            for line in log_text.splitlines():
+                t = _log_time(line)
+                if t is not None and t >= t_kill - 0.01 and \
+                        f"failed in generation {generation}" in line:
+                    found = t - t_kill
+                    res.detect = found if res.detect is None else min(res.detect, found)
+                    break
         if res.detect is None:  # no worker report reached it: the lease ran out instead
             res.extra["detect_via"] = "lease expiry"
             res.detect = res.rdzv
