@@ -22,6 +22,7 @@ import contextlib
 import json
 import logging
 import os
+import secrets
 import shutil
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
@@ -82,9 +83,6 @@ class SnapshotKeeper:
         self._last_signature: tuple[object, ...] = ()
         self._retry = False  # a send or publication failed: work again at the next poll
         self.bytes_held = 0
-        self.replicated_bytes = 0
-        self.served_local_bytes = 0  # to this node's restoring workers, from its own memory
-        self.served_peer_bytes = 0   # ... relayed from peers' memory
 
     @classmethod
     def for_agent(cls, config: AgentConfig, view: ClusterView, etcd: Etcd, keys: Keys,
@@ -161,8 +159,6 @@ class SnapshotKeeper:
 
     async def _ensure_secret(self) -> None:
         """The job's peer secret: created once, by whichever agent gets there first."""
-        import secrets
-
         while not self.view.peer_secret:
             try:
                 tx = self.etcd.tx
@@ -353,7 +349,6 @@ class SnapshotKeeper:
             self._retry = True
             return
         done.add(node)
-        self.replicated_bytes += entry.size
 
     # -- retention and publication ------------------------------------------------------------
 

@@ -149,7 +149,6 @@ class WorkerControlService(pb_grpc.WorkerControlServicer):
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         if data is not None:
-            keeper.served_local_bytes += len(data)
             for start in range(0, max(1, len(data)), PIECE_BYTES):
                 yield pb.SnapshotBytes(data=data[start:start + PIECE_BYTES])
             return
@@ -159,7 +158,6 @@ class WorkerControlService(pb_grpc.WorkerControlServicer):
                                 f"snapshot step {request.step}: no live agent holds {request.file}")
         try:
             async for piece in self.host.read_peer_snapshot(address, request):
-                keeper.served_peer_bytes += len(piece)
                 yield pb.SnapshotBytes(data=piece)
         except grpc.aio.AioRpcError as exc:
             await context.abort(grpc.StatusCode.UNAVAILABLE,
