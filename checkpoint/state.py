@@ -20,6 +20,8 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.checkpoint.stateful import Stateful
 
+from checkpoint.optimizer_state import prime_optimizer_state
+
 
 @dataclass
 class Progress:
@@ -42,6 +44,7 @@ class TrainState(Stateful):
         self.progress = progress
 
     def state_dict(self) -> dict[str, Any]:
+        prime_optimizer_state(self.optimizer)  # else get_state_dict runs a step to create it
         model_sd, optim_sd = get_state_dict(self.model, self.optimizer, options=_OPTIONS)
         return {
             "model": model_sd,

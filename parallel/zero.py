@@ -208,6 +208,25 @@ class ShardedAdamW(torch.optim.Optimizer):
             out.append(slot.as_state(piece, p))
         return out
 
+    def _state_of(self, p: torch.Tensor) -> dict[str, Any]:
+        """p's state, created (zeros, as AdamW's first step creates it) when it has none."""
+        state = self.state[p]
+        if not state:
+            slot = self._slot(p)
+            state["step"] = torch.zeros((), dtype=torch.float32)
+            for key in ("exp_avg", "exp_avg_sq"):
+                zeros = torch.zeros_like(slot.local_slice(_local(p)), dtype=torch.float32)
+                state[key] = slot.as_state(zeros, p)
+        return state
+
+    @torch.no_grad()
+    def init_state(self) -> None:
+        """The state of every trainable parameter, as before a first step (a load fills it)."""
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.requires_grad:
+                    self._state_of(p)
+
     @torch.no_grad()
     def step(self, closure: Any = None) -> None:
         if closure is not None:
@@ -221,12 +240,7 @@ class ShardedAdamW(torch.optim.Optimizer):
                 if grad is None:
                     continue
                 slot = self._slot(p)
-                state = self.state[p]
-                if not state:
-                    state["step"] = torch.zeros((), dtype=torch.float32)
-                    for key in ("exp_avg", "exp_avg_sq"):
-                        zeros = torch.zeros_like(slot.local_slice(_local(p)), dtype=torch.float32)
-                        state[key] = slot.as_state(zeros, p)
+                state = self._state_of(p)
                 local = _local(p)
                 # The update runs on the slice in fp32 (the master copy, when p is fp32).
                 piece = slot.local_slice(local)

@@ -7,6 +7,12 @@ torch.distributed: DTensor's sharding-propagation caches (Python and the C++ fas
 machine: clearing only some of them does not free the mesh; clearing every cache under
 torch.distributed does. This depends on torch internals, so it
 lives in this one function and a test checks threads, fds and sockets return to baseline.
+
+The collections that free the old world must traverse every object the process holds, and after
+`import torch` that is hundreds of thousands of them: two full collections took 0.6 s of a
+surviving worker's 0.7 s teardown here. `freeze_import_heap` moves what exists at start-up (the
+imported modules, never a generation's state) out of the collector's reach, which brings the
+teardown to about 0.1 s.
 """
 
 from __future__ import annotations
@@ -56,6 +62,15 @@ def _clear_dtensor_caches() -> None:
         clear = getattr(attr, "cache_clear", None)
         if callable(clear):
             clear()
+
+
+def freeze_import_heap() -> None:
+    """Call once, after the imports and before the first generation (see the module docstring).
+
+    Objects created later (models, groups, meshes, their cycles) are collected as before.
+    """
+    gc.collect()
+    gc.freeze()
 
 
 def leave_world() -> None:

@@ -51,14 +51,16 @@ from trainer.failure_kind import classify_failure
 from trainer.fault_injection import FaultInjection
 from trainer.heartbeat import Heartbeat
 from trainer.shared_storage import check_shared
-from trainer.teardown import leave_world
+from trainer.teardown import freeze_import_heap, leave_world
 
 PR_SET_PDEATHSIG = 1
 
 
 def _log(msg: str) -> None:
+    now = time.time()
+    stamp = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(now)) + f",{int(now % 1 * 1000):03d}"
     print(
-        f"[worker {os.environ.get('ULTRA_NODE_ID', '?')}/{os.environ.get('ULTRA_LOCAL_RANK', '?')}] {msg}",
+        f"{stamp} [worker {os.environ.get('ULTRA_NODE_ID', '?')}/{os.environ.get('ULTRA_LOCAL_RANK', '?')}] {msg}",
         file=sys.stderr,
         flush=True,
     )
@@ -209,16 +211,17 @@ def run_one(
         text = f"{type(exc).__name__}: {exc}"[:2000]
         outcome = Outcome("failed", generation.step, text, classify_failure(text))
     # Generation.run's frame is gone: nothing references the model or the mesh any more.
-    # Leave before reporting, so peers blocked on this rank fail now, not at their timeout.
-    leave_world()
-    beat.update(0, "idle", 0)
     if outcome.kind == "failed":
+        # Report first: the leader's decision then overlaps the teardown below. The report is
+        # one call to the local agent, so peers blocked on this rank still fail at once.
         first_line = outcome.message.splitlines()[0] if outcome.message else ""
         _log(f"generation {gp.generation} failed ({outcome.failure_kind}): {first_line}")
         try:
             link.report_failure(gp, outcome.message, outcome.failure_kind, outcome.step)
         except AgentUnreachable as exc:
             _log(f"could not report the failure: {exc}")
+    leave_world()
+    beat.update(0, "idle", 0)
     return outcome
 
 
@@ -231,6 +234,7 @@ def main() -> int:
     die_with_agent()
     local_rank = int(os.environ.get("ULTRA_LOCAL_RANK", "0"))
     torch.set_num_threads(int(os.environ.get("ULTRA_WORKER_THREADS", "1")))
+    freeze_import_heap()
     link = AgentLink(os.environ["ULTRA_AGENT_SOCKET"], local_rank)
     beat = Heartbeat(link.heartbeat, _log).start()
     faults = FaultInjection.from_env(os.environ)

@@ -22,6 +22,7 @@ from daemon.control.decide import decide
 from daemon.control.election import Election, FencedConflict, NotLeader
 from daemon.control.etcd_client import ETCD_ERRORS, Etcd
 from daemon.control.keys import Keys
+from daemon.control.records import ControlOp
 from daemon.control.snapshot import (
     Action,
     ConsumeRequests,
@@ -112,7 +113,7 @@ class Leader:
                 # reports of one fault (every rank of a broken world reports; a decision on the
                 # first alone would blame its node only). The follow-up of our own actions needs
                 # no such wait, nor does a generation that stopped as asked.
-                await asyncio.sleep(self.debounce_s)
+                await self._settle()
             again = False
             try:
                 # Decide on a view that includes our own last writes: a decision made on the
@@ -141,6 +142,44 @@ class Leader:
                 log.warning("leader step failed (%s: %s); retrying", type(exc).__name__, exc)
                 await backoff.sleep()
                 self._wake.set()
+
+    async def _settle(self) -> None:
+        """The debounce, cut short once the running generation's failure is fully reported.
+
+        When a generation breaks, each of its members either reports (its workers' collectives
+        failed) or is dead. Once every member has done one or the other there is no report left
+        to wait for: the members that have not reported are probed at once, and the wait ends
+        when the rest have. Any other change (a join, say) waits out the whole debounce.
+        """
+        deadline = time.monotonic() + self.debounce_s
+        plan = self.view.plan
+        if plan is None or not self._reported(plan.generation):
+            await asyncio.sleep(self.debounce_s)
+            return
+        dead: set[str] = set()
+
+        def accounted() -> bool:
+            reported = self._reported(plan.generation)
+            return all(n in reported or n in dead or n not in self.view.nodes
+                       for n in plan.nodes)
+
+        reported = self._reported(plan.generation)
+        silent = [n for n in plan.nodes
+                  if n != self.election.node and n not in reported and n in self.view.nodes]
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(self.debounce_s):
+                answers = await asyncio.gather(*(self._answers(n) for n in silent))
+                dead.update(n for n, alive in zip(silent, answers, strict=True) if not alive)
+        await self.view.wait_for(accounted, timeout=max(0.0, deadline - time.monotonic()))
+
+    def _reported(self, generation: int) -> set[str]:
+        """Nodes with a failure report about `generation` not yet consumed."""
+        return {r.node for r in self.view.control.values()
+                if r.op == ControlOp.FAILURE and r.generation == generation}
+
+    async def _answers(self, node: str) -> bool:
+        member = self.view.nodes.get(node)
+        return member is not None and await self.probe(member.record.address)
 
     def _stopped_as_asked(self) -> bool:
         view = self.view

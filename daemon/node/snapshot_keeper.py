@@ -82,6 +82,7 @@ class SnapshotKeeper:
         self._cache: dict[Path, tuple[tuple[int, int, int], object]] = {}
         self._last_signature: tuple[object, ...] = ()
         self._retry = False  # a send or publication failed: work again at the next poll
+        self._failing: set[str] = set()  # peers the last send to failed
         self.bytes_held = 0
 
     @classmethod
@@ -344,10 +345,16 @@ class SnapshotKeeper:
         try:
             await self.send(member.record.address, header, file_pieces(directory / entry.path))
         except Exception as exc:  # noqa: BLE001 - a peer's failure must not end the keeper
-            log.warning("snapshot step %d: sending %s to %s failed: %s", step, entry.path,
-                        node, str(exc)[:300])
+            # Once per peer until a send works again: retries come every poll.
+            (log.debug if node in self._failing else log.warning)(
+                "snapshot step %d: sending %s to %s failed: %s", step, entry.path, node,
+                str(exc)[:300])
+            self._failing.add(node)
             self._retry = True
             return
+        if node in self._failing:
+            self._failing.discard(node)
+            log.info("snapshot step %d: sending to %s works again", step, node)
         done.add(node)
 
     # -- retention and publication ------------------------------------------------------------

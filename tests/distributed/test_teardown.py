@@ -23,7 +23,7 @@ from parallel.layout import resolve
 from parallel.mesh import build_mesh
 from tests.conftest import small_job_text
 from trainer.loop import Trainer
-from trainer.teardown import leave_world
+from trainer.teardown import freeze_import_heap, leave_world
 
 pytestmark = pytest.mark.distributed
 
@@ -47,6 +47,7 @@ def _resources() -> tuple[int, int, int]:
 
 def _worker(rank: int, job: str, ports: list[int], out: str) -> None:
     torch.set_num_threads(1)
+    freeze_import_heap()  # as trainer.worker does: what is frozen must not pin a generation
     cfg = load(job)
     counts = [_resources()]
     for port in ports:

@@ -13,7 +13,7 @@ from daemon.control.election import Election, FencedConflict, NotLeader
 from daemon.control.etcd_client import ETCD_ERRORS, Etcd
 from daemon.control.keys import Keys
 from daemon.control.leader import Leader
-from daemon.control.records import Directive
+from daemon.control.records import ControlOp, ControlRequest, Directive, NodeRecord
 from daemon.control.store_host import StoreHost
 from daemon.control.view import ClusterView
 from parallel import job as jobmod
@@ -169,6 +169,53 @@ def test_stale_leader_writes_are_rejected(etcd) -> None:
 
 async def _never_probe(address: str) -> bool:
     return True
+
+
+def test_a_fully_reported_failure_is_decided_without_the_debounce(etcd) -> None:
+    """Once every member of a failed generation has reported or does not answer a probe, the
+    leader's settling wait ends; while one that answers is still silent, it does not."""
+    job = jobmod.loads(TINY_JOB)
+    keys = Keys("settle")
+    dead_address = "192.0.2.7:1"
+
+    async def probe(address: str) -> bool:
+        return address != dead_address
+
+    async def scenario() -> None:
+        e = Etcd(etcd.endpoint, timeout=2)
+        try:
+            election = Election(e, keys, "a")
+            lease = await e.grant(60)
+            assert await election.campaign(lease)
+            for node in ("a", "b", "c"):
+                address = dead_address if node == "b" else f"127.0.0.1:{ord(node)}"
+                record = NodeRecord(node, address, "", 1)
+                await e.put(keys.node(node), record.to_json(), lease=lease)
+            view = ClusterView(e, keys)
+            task = asyncio.create_task(view.run())
+            await asyncio.wait_for(view.synced.wait(), 5)
+            # A debounce no test waits out: returning at all means it was cut short.
+            leader = Leader(e, keys, view, election, StoreHost("127.0.0.1"), TTL, 300.0, probe)
+            plan = plan_generation(job, [NodeInfo(n, 1) for n in ("a", "b", "c")], 1, ("", 0))
+            await leader.write_generation(plan, "start")
+            await view.wait_for(lambda: view.plan is not None, 5)
+
+            async def report(node: str) -> None:
+                request = ControlRequest(ControlOp.FAILURE, node, generation=1, step=3)
+                await e.put(keys.control_request(f"failure-{node}"), request.to_json())
+
+            await report("a")
+            settling = asyncio.create_task(leader._settle())
+            # "c" answers its probe and has not reported: the wait goes on.
+            done, _ = await asyncio.wait({settling}, timeout=1.0)
+            assert not done
+            await report("c")  # "b" is dead (its probe fails): nothing is left to wait for
+            await asyncio.wait_for(settling, 10)
+            task.cancel()
+        finally:
+            await e.close()
+
+    asyncio.run(scenario())
 
 
 def test_etcd_killed_and_restarted_agents_rewatch(cluster: Cluster) -> None:

@@ -1,0 +1,45 @@
+"""Create an optimizer's state before a load, cheaply.
+
+DCP's `get_state_dict` needs the optimizer's state to exist before it can be loaded into, and
+creates a missing one by running a whole optimizer step on zero gradients. On a freshly formed
+world (DTensor's sharding caches empty after `trainer.teardown.leave_world`) that step propagated
+54 distinct DTensor ops here and took 0.25 s of a 0.35 s restore. The state a load overwrites
+only needs the right keys, shapes, dtypes and placements, which `zeros_like` gives directly.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+@torch.no_grad()
+def prime_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
+    """Give every trainable parameter the state its optimizer's first step would create.
+
+    Does nothing when the state exists. Optimizers it does not know are left to DCP's own
+    zero-gradient step.
+    """
+    if optimizer.state:
+        return
+    init_state = getattr(optimizer, "init_state", None)
+    if callable(init_state):  # parallel.zero.ShardedAdamW
+        init_state()
+    elif type(optimizer) in (torch.optim.AdamW, torch.optim.Adam) and not any(
+            g.get("fused") or g.get("capturable") or g.get("differentiable")
+            for g in optimizer.param_groups):
+        _prime_adam(optimizer)
+
+
+def _prime_adam(optimizer: torch.optim.Optimizer) -> None:
+    # As torch.optim.Adam(W)._init_group does on a first step (neither fused nor capturable).
+    step_dtype = torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if not p.requires_grad:
+                continue
+            state = {"step": torch.tensor(0.0, dtype=step_dtype),
+                     "exp_avg": torch.zeros_like(p, memory_format=torch.preserve_format),
+                     "exp_avg_sq": torch.zeros_like(p, memory_format=torch.preserve_format)}
+            if group["amsgrad"]:
+                state["max_exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            optimizer.state[p] = state
