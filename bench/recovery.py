@@ -1,7 +1,8 @@
 """Recovery after `kill -9` of one of 3 nodes: ultrad against torchrun's elastic c10d rendezvous.
 
     python -m bench.recovery [--runs 3]
-        [--arms ultrad,ultrad-disk,ultrad-kill-leader,torchrun-default,torchrun-tuned]
+        [--arms ultrad,ultrad-disk,ultrad-kill-leader,ultrad-kill-worker,torchrun-default,
+                torchrun-tuned]
                              [--kill-step 8] [--workdir DIR] [--keep]
 
 Every arm trains the same small job (a 2-layer GQA Llama on a synthetic token file, global batch
@@ -25,7 +26,9 @@ ultrad arms: `ultrad` restores from the in-memory snapshots (every step, replica
 node; docs/snapshots.md), `ultrad-disk` turns them off (`checkpoint.snapshot_every=0`) and
 restores from the durable checkpoint, and both kill a node that is not the leader's;
 `ultrad-kill-leader` kills the leader's node (it hosts the generation's TCPStore): a survivor
-revokes its lease and a new leader is elected at once. "steps re-run" counts committed steps
+revokes its lease and a new leader is elected at once; `ultrad-kill-worker` kills only the
+worker of a node that is not the leader's: its agent lives on, and its standby worker (torch
+already imported) takes the dead worker's local rank in the next generation. "steps re-run" counts committed steps
 trained again (the step in flight when the node died is not counted). torchrun's victim is never
 its rendezvous host (the first agent, which binds the --rdzv-endpoint port).
 
@@ -71,6 +74,7 @@ ARMS = {
     "ultrad": None,
     "ultrad-disk": None,
     "ultrad-kill-leader": None,
+    "ultrad-kill-worker": None,
     "torchrun-default": "",
     "torchrun-lastcall": "last_call_timeout=1,join_timeout=60",
     "torchrun-tuned": TUNED,
@@ -81,9 +85,10 @@ ARMS = {
 # ("[127.0.0.1]:1932$1") and rank 0 never came up; --torchrun-share-store brings it back.
 TORCHRUN_ENV: dict[str, str] = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
 METRICS = ("detect", "rdzv", "restore", "first_step", "rerun")
-# ultrad arms: (restore from in-memory snapshots, kill the leader's node instead of another)
-ULTRAD_ARMS = {"ultrad": (True, False), "ultrad-disk": (False, False),
-               "ultrad-kill-leader": (True, True)}
+# ultrad arms: (restore from in-memory snapshots, what is killed: a non-leader node, the
+# leader's node, or the worker alone of a non-leader node, its agent and standby worker alive)
+ULTRAD_ARMS = {"ultrad": (True, "node"), "ultrad-disk": (False, "node"),
+               "ultrad-kill-leader": (True, "leader"), "ultrad-kill-worker": (True, "worker")}
 
 
 @dataclass
@@ -163,6 +168,15 @@ def _descendants(pid: int) -> list[int]:
     return out
 
 
+def _named(agent_pid: int, comm: str) -> int | None:
+    """The agent's process named `comm` (workers name themselves ultra-w<rank>, ultra-standby)."""
+    for pid in _descendants(agent_pid):
+        with contextlib.suppress(OSError):
+            if Path(f"/proc/{pid}/comm").read_text().strip() == comm:
+                return pid
+    return None
+
+
 def kill_node(pid: int) -> float:
     """SIGKILL a node: its agent and everything under it. Returns the kill's wall time."""
     victims = _descendants(pid)
@@ -203,7 +217,8 @@ def run_ultrad(work: Path, job: Path, kill_step: int, run: int, arm: str = "ultr
     from daemon.cli.local import LocalCluster, _call
     from proto.ultrascale.v1 import agent_pb2 as pb
 
-    snapshots, kill_leader = ULTRAD_ARMS[arm]
+    snapshots, target = ULTRAD_ARMS[arm]
+    kill_leader = target == "leader"
     res = Result(arm, run)
     os.environ.update({"OMP_NUM_THREADS": "1"})
     cluster = LocalCluster(work / "state", 3, 1, ttl=TTL)
@@ -238,11 +253,25 @@ def run_ultrad(work: Path, job: Path, kill_step: int, run: int, arm: str = "ultr
             return any(x["step"] >= kill_step for x in lines())
 
         _wait(at_kill_step, 180, f"step {kill_step}")
+        # Steady state: every node's standby worker (started once the job trains) is ready,
+        # not importing torch while the recovery measured here runs.
+        for node, proc in cluster.agents.items():
+            _wait(lambda p=proc: _named(p.pid, "ultra-standby"), 60, f"{node}'s standby worker")
+            _wait(lambda n=node: "standby: torch imported" in (
+                cluster.state_dir / n / "logs" / "worker-standby.log").read_text(errors="replace"),
+                60, f"{node}'s standby worker ready")
         status = call("GetStatus", pb.GetStatusRequest())
         leader, generation = status.leader, status.generation
         victim = leader if kill_leader else next(
             n for n in ("node-2", "node-1", "node-0") if n != leader)
-        t_kill = kill_node(cluster.agents[victim].pid)
+        if target == "worker":
+            pid = _named(cluster.agents[victim].pid, "ultra-w0")
+            if pid is None:
+                raise RuntimeError(f"no worker process of {victim}")
+            t_kill = time.time()
+            os.kill(pid, signal.SIGKILL)
+        else:
+            t_kill = kill_node(cluster.agents[victim].pid)
         res.extra.update(victim=victim, leader=leader)
 
         def recovered() -> dict[str, Any] | None:
@@ -493,8 +522,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.recovery", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--runs", type=int, default=3)
-    p.add_argument("--arms", default="ultrad,ultrad-disk,ultrad-kill-leader,torchrun-default,"
-                                     "torchrun-tuned",
+    p.add_argument("--arms", default="ultrad,ultrad-disk,ultrad-kill-leader,ultrad-kill-worker,"
+                                     "torchrun-default,torchrun-tuned",
                    help=f"comma-separated, from {','.join(ARMS)}")
     p.add_argument("--kill-step", type=int, default=8)
     p.add_argument("--workdir", default="", help="default: a temporary directory")

@@ -101,7 +101,8 @@ class Agent(WorkerReports):
                                          cfg.state_dir / "logs", self._on_worker_exit,
                                          cfg.worker_module, extra_env=worker_network_env(
                                              self.io.advertised_host, dict(os.environ))
-                                         | SnapshotKeeper.env(self.snapshots))
+                                         | SnapshotKeeper.env(self.snapshots),
+                                         standby=cfg.standby_worker)
         record = NodeRecord(self.node_id, self.io.address, self.io.metrics_url, cfg.devices,
                             pid=self.io.pid, version=__version__,
                             device_memory=cfg.device_memory)
@@ -264,6 +265,8 @@ class Agent(WorkerReports):
                 self.state.to(AgentState.RECONFIGURING, f"generation {plan.generation}")
                 if self.supervisor is not None:
                     await self._ensure_workers(plan)
+        if self.supervisor is not None:
+            await self._standby(plan if in_plan else None)
         if record.state == NodeState.DRAINING:
             self.state.to(AgentState.DRAINING, "drain requested")
         elif in_plan:
@@ -271,6 +274,24 @@ class Agent(WorkerReports):
         else:
             self.state.to(AgentState.WAITING, "not in the current generation"
                           if plan is not None else "no generation yet")
+
+    async def _standby(self, plan: Plan | None) -> None:
+        """Keep a standby worker while this node trains in a job that goes on; start it once
+        the generation trains (not while its workers start, restore and import torch, nor
+        while a failure is being recovered from)."""
+        assert self.supervisor is not None
+        progress = self.view.progress
+        if plan is None or self._job_over():
+            await self.supervisor.drop_standby()
+        elif progress.generation == plan.generation and progress.step > plan.restore.step \
+                and self.broken_generation < plan.generation:
+            await self.supervisor.keep_standby()
+
+    def _job_over(self) -> bool:
+        view, plan = self.view, self.view.plan
+        return view.status.state == JobState.FAILED or (
+            plan is not None and view.progress.finished
+            and view.progress.generation == plan.generation)
 
     async def _apply_node_requests(self) -> None:
         """Apply drain/cordon/uncordon requests that name this node, then consume them."""
@@ -301,12 +322,9 @@ class Agent(WorkerReports):
     def worker_should_exit(self, local_rank: int) -> bool:
         if self.stopping.is_set() or local_rank >= self.devices:
             return True
-        view, plan = self.view, self.view.plan
-        if view.status.state == JobState.FAILED:
+        if self._job_over():
             return True
-        if plan is not None and view.progress.finished \
-                and view.progress.generation == plan.generation:
-            return True
+        plan = self.view.plan
         membership = self.membership
         draining = membership is not None and membership.record.state == NodeState.DRAINING
         return draining and (plan is None or self.node_id not in plan.nodes)

@@ -42,6 +42,8 @@ class AgentConfig:
     advertise_host: str = ""      # host peers and workers use; default: api/advertise.py
     workers: bool = True          # False: control plane only (tests), no worker processes
     worker_module: str = "trainer.worker"
+    # A spare worker per node, torch imported, that takes a dead worker's local rank at once.
+    standby_worker: bool = True
     # How long workers keep training while etcd is unreachable for every agent (an outage in
     # which nobody can change membership); after that the agent fences itself.
     etcd_outage_s: float = 60.0

@@ -31,6 +31,24 @@ def descendants(pid: int) -> list[int]:
     return seen
 
 
+def worker_pids(agent_pid: int) -> list[int]:
+    """The agent's workers: its `trainer.worker` children, less a standby that has not taken a
+    local rank (started with ULTRA_LOCAL_RANK=standby, named `ultra-w<rank>` once it has)."""
+    out = []
+    for pid in descendants(agent_pid):
+        try:
+            if b"trainer.worker" not in Path(f"/proc/{pid}/cmdline").read_bytes():
+                continue
+            standby = b"\0ULTRA_LOCAL_RANK=standby\0" in b"\0" + Path(
+                f"/proc/{pid}/environ").read_bytes()
+            if standby and not Path(f"/proc/{pid}/comm").read_text().startswith("ultra-w"):
+                continue
+        except OSError:
+            continue
+        out.append(pid)
+    return out
+
+
 def alive(pid: int) -> bool:
     """Running (a zombie is not)."""
     try:

@@ -51,9 +51,11 @@ from trainer.failure_kind import classify_failure
 from trainer.fault_injection import FaultInjection
 from trainer.heartbeat import Heartbeat
 from trainer.shared_storage import check_shared
+from trainer.standby import await_role, is_standby
 from trainer.teardown import freeze_import_heap, leave_world
 
 PR_SET_PDEATHSIG = 1
+PR_SET_NAME = 15
 
 
 def _log(msg: str) -> None:
@@ -85,6 +87,13 @@ def die_with_agent() -> None:
         ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
     if agent_pid and os.getppid() != agent_pid:
         raise SystemExit("the agent that started this worker is gone")
+
+
+def name_process(name: str) -> None:
+    """What `ps -o comm`, top and /proc/<pid>/comm show (Linux PR_SET_NAME, 15 bytes):
+    `ultra-w<local rank>` for a worker, `ultra-standby` for the standby until it takes a rank."""
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_NAME, name.encode()[:15], 0, 0, 0)
 
 
 def store_prefix(gp: pb.GenerationPlan) -> str:
@@ -232,9 +241,17 @@ def next_backoff(previous: float | None, fault: FaultConfig) -> float:
 
 def main() -> int:
     die_with_agent()
-    local_rank = int(os.environ.get("ULTRA_LOCAL_RANK", "0"))
     torch.set_num_threads(int(os.environ.get("ULTRA_WORKER_THREADS", "1")))
     freeze_import_heap()
+    if is_standby(os.environ):
+        name_process("ultra-standby")
+        _log("standby: torch imported, waiting for a local rank")
+        role = await_role(sys.stdin.buffer)
+        if role is None:
+            return 0
+        _log(f"standby: taking local rank {role}")
+    local_rank = int(os.environ.get("ULTRA_LOCAL_RANK", "0"))
+    name_process(f"ultra-w{local_rank}")
     link = AgentLink(os.environ["ULTRA_AGENT_SOCKET"], local_rank)
     beat = Heartbeat(link.heartbeat, _log).start()
     faults = FaultInjection.from_env(os.environ)

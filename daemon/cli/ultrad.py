@@ -76,7 +76,9 @@ _OPTIONS: dict[str, tuple[type, Any, str]] = {
     "log_level": (str, "info", "debug|info|warning|error"),
 }
 _FLAGS = {"insecure": "allow a non-loopback listen address without TLS",
-          "no_workers": "control plane only: plan generations but start no worker processes"}
+          "no_workers": "control plane only: plan generations but start no worker processes",
+          "no_standby_worker": "keep no spare worker process (torch imported) to replace a "
+                               "dead worker at once"}
 
 
 class UsageError(ValueError):
@@ -182,6 +184,7 @@ def build_config(opts: dict[str, Any]) -> Any:
         token_file=Path(opts["token_file"]).expanduser() if opts["token_file"] else None,
         insecure=opts["insecure"], tls=tls, advertise_host=opts["advertise_host"],
         workers=not opts["no_workers"], worker_module=opts["worker_module"],
+        standby_worker=not opts["no_standby_worker"],
         etcd_outage_s=opts["etcd_outage"],
         snapshot_base=Path(opts["snapshot_dir"]).expanduser(),
     )

@@ -13,12 +13,19 @@ A worker is `python -m <worker_module>` with:
   TORCHELASTIC_ERROR_FILE                where torch.distributed.elastic's @record writes the error
   ULTRA_AGENT_PID                        the agent's pid: the worker arms PR_SET_PDEATHSIG itself
 and dies with its agent, so a killed node leaves no orphan holding devices.
+
+With `standby`, the supervisor also keeps one spare worker per node, started once the node's
+workers have trained a step: it has imported torch and waits on its stdin (ULTRA_LOCAL_RANK is
+`standby`). A local rank that needs a worker takes the standby at once (one JSON line names the
+rank, its log and its error file) and a new standby is started later; a worker killed alone
+then costs its world no cold start (seconds of `import torch`) in the next generation.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import os
 import signal
@@ -40,9 +47,13 @@ class WorkerExit:
     error: str = ""  # the first lines of its error file, if it wrote one
 
 
+STANDBY = -1  # the local rank of the standby worker until it is adopted
+_STANDBY_FAILURES = 3  # standbys that die unadopted in a row before there is no more standby
+
+
 @dataclass
 class _Worker:
-    local_rank: int
+    local_rank: int  # STANDBY while it waits
     proc: asyncio.subprocess.Process
     log_path: Path
     error_path: Path
@@ -59,29 +70,75 @@ class Supervisor:
     worker_module: str = "trainer.worker"
     python: str = sys.executable
     extra_env: dict[str, str] = field(default_factory=dict)
+    standby: bool = False
     _workers: dict[int, _Worker] = field(default_factory=dict)
+    _standby: _Worker | None = None
+    _standby_failures: int = 0
 
     def alive(self) -> dict[int, int]:
-        """local rank → pid of the running workers."""
+        """local rank → pid of the running workers (the standby is none of them)."""
         return {r: w.proc.pid for r, w in self._workers.items() if w.proc.returncode is None}
 
+    def standby_pid(self) -> int | None:
+        w = self._standby
+        return w.proc.pid if w is not None and w.proc.returncode is None else None
+
     async def ensure(self, local_ranks: Iterable[int]) -> list[int]:
-        """Start a worker for each local rank that has none; returns the ranks started."""
+        """Give each local rank that has no worker one: the standby, else a new process.
+        Returns the ranks given one."""
         started = []
         for rank in sorted(set(local_ranks) - set(self.alive())):
-            await self._spawn(rank)
+            if not await self._adopt(rank):
+                await self._spawn(rank)
             started.append(rank)
         return started
 
+    async def keep_standby(self) -> None:
+        """Start the standby worker if there is none (and standbys are on)."""
+        if self.standby and self._standby is None and self._standby_failures < _STANDBY_FAILURES:
+            await self._spawn(STANDBY)
+
+    async def drop_standby(self) -> None:
+        """End the standby worker, if any (it exits at the end of its input)."""
+        w = self._standby
+        if w is None or w.stopping:
+            return
+        w.stopping = True
+        if w.proc.stdin is not None:
+            w.proc.stdin.close()
+        log.info("stopping the standby worker pid=%d", w.proc.pid)
+
+    def _paths(self, rank: int) -> tuple[Path, Path]:
+        name = "standby" if rank == STANDBY else str(rank)
+        return self.log_dir / f"worker-{name}.log", self.log_dir / f"worker-{name}.error.json"
+
+    async def _adopt(self, rank: int) -> bool:
+        w = self._standby
+        if w is None or w.proc.returncode is not None or w.proc.stdin is None:
+            return False
+        self._standby = None
+        log_path, error_path = self._paths(rank)
+        error_path.unlink(missing_ok=True)
+        role = {"local_rank": rank, "log": str(log_path), "error_file": str(error_path)}
+        try:
+            w.proc.stdin.write(json.dumps(role).encode() + b"\n")
+            await w.proc.stdin.drain()
+        except (BrokenPipeError, ConnectionResetError):
+            return False  # it died meanwhile; its reaper logs it
+        w.local_rank, w.log_path, w.error_path = rank, log_path, error_path
+        self._workers[rank] = w
+        self._standby_failures = 0
+        log.info("standby worker pid=%d takes local_rank=%d", w.proc.pid, rank)
+        return True
+
     async def _spawn(self, rank: int) -> None:
         self.log_dir.mkdir(parents=True, exist_ok=True)
-        log_path = self.log_dir / f"worker-{rank}.log"
-        error_path = self.log_dir / f"worker-{rank}.error.json"
+        log_path, error_path = self._paths(rank)
         error_path.unlink(missing_ok=True)
         env = {
             **os.environ, **self.extra_env,
             "ULTRA_AGENT_SOCKET": str(self.socket_path),
-            "ULTRA_LOCAL_RANK": str(rank),
+            "ULTRA_LOCAL_RANK": "standby" if rank == STANDBY else str(rank),
             "ULTRA_NODE_ID": self.node_id,
             "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
             "TORCHELASTIC_ERROR_FILE": str(error_path),
@@ -94,16 +151,30 @@ class Supervisor:
         }
         with log_path.open("ab") as out:
             proc = await asyncio.create_subprocess_exec(
-                self.python, "-m", self.worker_module, stdin=asyncio.subprocess.DEVNULL,
+                self.python, "-m", self.worker_module,
+                stdin=asyncio.subprocess.PIPE if rank == STANDBY else asyncio.subprocess.DEVNULL,
                 stdout=out, stderr=asyncio.subprocess.STDOUT, env=env,
             )
         worker = _Worker(rank, proc, log_path, error_path)
         worker.task = asyncio.create_task(self._reap(worker), name=f"reap-worker-{rank}")
+        if rank == STANDBY:
+            self._standby = worker
+            log.info("started the standby worker pid=%d (%s)", proc.pid, self.worker_module)
+            return
         self._workers[rank] = worker
         log.info("started worker local_rank=%d pid=%d (%s)", rank, proc.pid, self.worker_module)
 
     async def _reap(self, worker: _Worker) -> None:
         code = await worker.proc.wait()
+        if self._standby is worker:  # died unadopted: no rank's failure
+            self._standby = None
+            if not worker.stopping:
+                self._standby_failures += 1
+                log.warning("the standby worker pid=%d exited with %d (see %s)%s",
+                            worker.proc.pid, code, worker.log_path,
+                            "; no more standbys" if self._standby_failures >= _STANDBY_FAILURES
+                            else "")
+            return
         if self._workers.get(worker.local_rank) is worker:
             del self._workers[worker.local_rank]
         error = ""
@@ -119,6 +190,8 @@ class Supervisor:
         """SIGTERM, then SIGKILL after `grace`; waits until the workers are gone."""
         ranks = set(self._workers) if local_ranks is None else set(local_ranks)
         victims = [w for r, w in self._workers.items() if r in ranks]
+        if local_ranks is None and self._standby is not None:
+            victims.append(self._standby)
         for w in victims:
             w.stopping = True
             with contextlib.suppress(ProcessLookupError):

@@ -45,7 +45,7 @@ from proto.ultrascale.v1 import agent_pb2 as pb
 from proto.ultrascale.v1 import agent_pb2_grpc as pb_grpc
 from tests.conftest import small_job_text
 from tests.netns import Hosts
-from tests.processes import alive, descendants
+from tests.processes import alive, descendants, worker_pids
 
 GLOBAL_BATCH = 10  # small_job_text's
 RTOL = 1e-6
@@ -331,7 +331,7 @@ class ChaosRun:
         proc = self.cluster.agents[node]
         if proc.poll() is not None:
             return []
-        return [p for p in descendants(proc.pid) if "trainer.worker" in cmdline(p)]
+        return worker_pids(proc.pid)
 
     def all_worker_pids(self) -> dict[str, list[int]]:
         return {n: self.worker_pids(n) for n in self.live_nodes()}

@@ -39,7 +39,7 @@ from tests.chaos.replay import compare, replay, segments
 from tests.chaos.runner import committed, consistency_problems, generation_history, read_lines
 from tests.conftest import REPO, small_job_text
 from tests.integration.conftest import wait_until
-from tests.processes import descendants
+from tests.processes import worker_pids
 
 pytestmark = pytest.mark.integration
 
@@ -216,8 +216,7 @@ def netns_cluster(tmp_path: Path) -> Iterator[NetnsCluster]:
 
 
 def worker_env(agent: HostAgent) -> dict[str, str]:
-    pid = next(p for p in descendants(agent.proc.pid)
-               if b"trainer.worker" in Path(f"/proc/{p}/cmdline").read_bytes())
+    pid = worker_pids(agent.proc.pid)[0]
     raw = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
     return dict(item.decode().split("=", 1) for item in raw if b"=" in item)
 

@@ -145,3 +145,65 @@ def test_supervisor_spawns_reports_deaths_and_stops(tmp_path: Path) -> None:
     assert died and died[0].returncode == 3 and not died[0].expected
     stopped = [e for e in exits if e.local_rank == 0]
     assert stopped and stopped[0].expected
+
+
+def test_standby_worker_takes_a_dead_workers_rank(tmp_path: Path) -> None:
+    """The standby (trainer.standby's protocol) takes a local rank that lost its worker: the
+    rank's log, error file and environment; it is no rank's failure if it dies unadopted; and
+    stop() ends it too."""
+    worker = tmp_path / "standbyworker.py"
+    worker.write_text(
+        "import os, sys, time\n"
+        "from trainer.standby import await_role, is_standby\n"
+        "if is_standby(os.environ):\n"
+        "    print('waiting', flush=True)\n"
+        "    if await_role(sys.stdin.buffer) is None:\n"
+        "        sys.exit(0)\n"
+        "print('rank', os.environ['ULTRA_LOCAL_RANK'], os.environ['TORCHELASTIC_ERROR_FILE'],\n"
+        "      flush=True)\n"
+        "sys.exit(5) if os.environ['ULTRA_LOCAL_RANK'] == '0' and os.environ.get('DIE') else 0\n"
+        "time.sleep(60)\n"
+    )
+    root = Path(__file__).resolve().parents[2]
+    exits: list[WorkerExit] = []
+    logs = tmp_path / "logs"
+
+    async def until(predicate, what: str) -> None:
+        for _ in range(400):
+            if predicate():
+                return
+            await asyncio.sleep(0.025)
+        raise AssertionError(f"timed out waiting for {what}")
+
+    async def scenario() -> None:
+        sup = Supervisor("n1", tmp_path / "agent.sock", logs, exits.append,
+                         worker_module="standbyworker", standby=True,
+                         extra_env={"PYTHONPATH": f"{tmp_path}:{root}", "DIE": "1"})
+        await sup.keep_standby()
+        standby = sup.standby_pid()
+        assert standby is not None and sup.alive() == {}
+        await until(lambda: "waiting" in (logs / "worker-standby.log").read_text(), "standby")
+        await sup.keep_standby()
+        assert sup.standby_pid() == standby  # one at a time
+        assert await sup.ensure([0]) == [0]
+        assert sup.alive() == {0: standby} and sup.standby_pid() is None
+        # It runs as rank 0 (which this script makes exit 5): a failure of rank 0.
+        await until(lambda: exits, "rank 0's exit")
+        assert exits[0].local_rank == 0 and exits[0].returncode == 5 and not exits[0].expected
+        text = (logs / "worker-0.log").read_text()
+        assert f"rank 0 {logs / 'worker-0.error.json'}" in text
+        # No standby now: a new process for rank 0; then a new standby, which stop() ends.
+        sup.extra_env.pop("DIE")
+        assert await sup.ensure([0]) == [0] and sup.alive()[0] != standby
+        await sup.keep_standby()
+        second = sup.standby_pid()
+        assert second not in (None, standby)
+        await sup.drop_standby()  # the job is over: it exits at the end of its input
+        await until(lambda: sup.standby_pid() is None, "the standby to exit")
+        await sup.keep_standby()
+        assert sup.standby_pid() not in (None, second)
+        await sup.stop(grace=2)
+        assert sup.alive() == {} and sup.standby_pid() is None
+        assert [e.local_rank for e in exits] == [0, 0]  # the standby's end is no rank's exit
+
+    asyncio.run(scenario())
