@@ -66,6 +66,13 @@ def cmdline(pid: int) -> str:
         return ""
 
 
+def comm(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/comm").read_text().strip()
+    except OSError:
+        return ""
+
+
 def signal_pid(pid: int, sig: int) -> None:
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.kill(pid, sig)
@@ -335,6 +342,14 @@ class ChaosRun:
 
     def all_worker_pids(self) -> dict[str, list[int]]:
         return {n: self.worker_pids(n) for n in self.live_nodes()}
+
+    def wait_standby(self, node: str, timeout: float = 90) -> int:
+        """Until the node's standby worker has imported torch (it names itself then)."""
+
+        def ready() -> int | None:
+            proc = self.cluster.agents[node]
+            return next((p for p in descendants(proc.pid) if comm(p) == "ultra-standby"), None)
+        return wait(ready, timeout, f"{node}'s standby worker")
 
     def wait_workers(self, timeout: float = 60) -> dict[str, list[int]]:
         """Until every live agent runs its workers."""

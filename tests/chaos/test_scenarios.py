@@ -59,10 +59,17 @@ def test_kill_one_worker(chaos) -> None:
     run.submit()
     run.wait_step(TRIGGER)
     victim = _victim(run)
+    standby = run.wait_standby(victim)
     (pid,) = run.worker_pids(victim)
     with run.fault(f"SIGKILL worker of {victim} (agent alive)"):
         os.kill(pid, signal.SIGKILL)
-    run.finish_and_check()
+
+    def standby_took_over(r: ChaosRun) -> list[str]:
+        text = (r.cluster.state_dir / victim / "ultrad.log").read_text(errors="replace")
+        took = f"standby worker pid={standby} takes local_rank=0" in text
+        return [] if took else [f"{victim}'s standby (pid {standby}) did not take local rank 0"]
+
+    run.finish_and_check(extra_checks=standby_took_over)
 
 
 # -- hangs ------------------------------------------------------------------------------------
