@@ -8,6 +8,7 @@ import time
 
 from daemon.api.metrics import Metrics
 from daemon.control.records import RestoreRecord
+from daemon.control.snapshot_steps import newest_complete
 from daemon.control.view import ClusterView
 from daemon.node.progress import ProgressWriter
 from daemon.node.watchdog import HangDetector
@@ -46,7 +47,15 @@ class WorkerReports:
                 self._failure_at = None
         if report.global_rank == 0:
             self.progress.report(report.generation, step=report.step,
-                                 consumed_samples=report.consumed_samples, loss=report.loss)
+                                 consumed_samples=report.consumed_samples, loss=report.loss,
+                                 snapshot_complete=self._snapshot_complete())
+
+    def _snapshot_complete(self) -> int:
+        """The newest snapshot step two live nodes or more hold entirely (-1: none)."""
+        view = self.view
+        revision = view.spec.mod_revision if view.spec else 0
+        return newest_complete({n: h for n, h in view.snapshots.items()
+                                if n in view.nodes and h.spec_revision == revision})
 
     def on_checkpoint(self, report: pb.CheckpointReport) -> None:
         if report.global_rank == 0:

@@ -36,11 +36,9 @@ from daemon.control.records import (
     Directive,
     FailureKind,
     FailureRecord,
-    HeldStep,
     JobState,
     JobStatus,
     NodeState,
-    SnapshotHoldings,
 )
 from daemon.control.snapshot import (
     Action,
@@ -54,6 +52,7 @@ from daemon.control.snapshot import (
     Snapshot,
     StartGeneration,
 )
+from daemon.control.snapshot_steps import newest_assemblable
 from parallel.job import FaultConfig, JobConfig
 from parallel.planner import NodeInfo, Plan, PlanError, plan_generation
 
@@ -349,25 +348,6 @@ class _Decider:
             step=p.step if p.generation == plan.generation else -1,
             message=f"did not stop at a step boundary within {boundary_timeout(self.fault):.0f}s"))
         self._start(candidate, reason)
-
-
-def newest_assemblable(holdings: Mapping[str, SnapshotHoldings]) -> tuple[int, tuple[str, ...]]:
-    """The newest snapshot step whose every shard, manifest and metadata some node in
-    `holdings` holds, and those nodes (sorted); (-1, ()) when there is none."""
-    by_step: dict[int, list[tuple[str, HeldStep]]] = {}
-    for node, h in holdings.items():
-        for held in h.steps:
-            by_step.setdefault(held.step, []).append((node, held))
-    for step in sorted(by_step, reverse=True):
-        parts = by_step[step]
-        sizes = {held.world_size for _, held in parts if held.metadata and held.world_size > 0}
-        if len(sizes) != 1:
-            continue  # no manifest among the holders (or manifests that disagree)
-        world = sizes.pop()
-        ranks = set().union(*(set(held.ranks) for _, held in parts))
-        if ranks >= set(range(world)):
-            return step, tuple(sorted(node for node, _ in parts))
-    return -1, ()
 
 
 def _status_key(status: JobStatus) -> tuple[object, ...]:

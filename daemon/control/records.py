@@ -144,6 +144,9 @@ class Progress(Record):
     finished: bool = False   # the job's last step is done
     stopped: bool = False    # the generation left at a planned boundary, checkpointed
     time: float = 0.0        # wall clock of the writer
+    # The newest complete snapshot step as rank 0's agent saw the holdings at this step: every
+    # shard and the manifest held by two nodes at least (daemon/control/snapshot_steps.py).
+    snapshot_complete: int = -1
 
 
 @dataclass(frozen=True)

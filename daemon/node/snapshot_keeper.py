@@ -45,10 +45,10 @@ from checkpoint.snapshot_format import (
     write_atomically,
 )
 from daemon.config import AgentConfig
-from daemon.control.decide import newest_assemblable
 from daemon.control.etcd_client import ETCD_ERRORS, Etcd
 from daemon.control.keys import Keys
 from daemon.control.records import HeldStep, SnapshotHoldings
+from daemon.control.snapshot_steps import newest_assemblable
 from daemon.control.view import ClusterView
 from daemon.node.snapshot_files import (
     Incoming,

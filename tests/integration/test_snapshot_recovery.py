@@ -18,11 +18,13 @@ import pytest
 
 from daemon.api.auth import call_metadata
 from daemon.cli.local import LocalCluster, _call
+from daemon.control.keys import Keys
+from daemon.control.records import Progress
 from proto.ultrascale.v1 import agent_pb2 as pb
 from proto.ultrascale.v1 import agent_pb2_grpc as pb_grpc
 from tests.conftest import small_job_text
 from tests.distributed.reference import reference_run
-from tests.integration.conftest import wait_until
+from tests.integration.conftest import etcd_call, wait_until
 from tests.integration.test_training_recovery import committed_steps, scrape
 from tests.processes import running
 
@@ -99,6 +101,12 @@ def test_kill_one_agent_restores_from_peer_memory(cluster: LocalCluster, token_f
     events = restore_events(cluster, token)
     assert any(f"restored snapshot@{restored} from memory" in e for e in events), events
     check_exact(steps_file, tmp_path / "job.toml")
+    # The progress record names the newest complete step: one of the new world's (the old
+    # world's steps lost their only copy of node-2's shard or of its buddy copy).
+    progress = etcd_call(cluster.etcd.endpoint,
+                         lambda e: e.get(Keys(cluster.namespace).progress))
+    complete = Progress.from_json(progress.value).snapshot_complete
+    assert restored < complete < STEPS, (restored, complete, progress.value)
     for node in ("node-0", "node-1"):
         info = json.loads((cluster.state_dir / node / "agent.json").read_text())
         metrics = scrape(info["metrics_url"])

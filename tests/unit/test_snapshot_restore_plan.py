@@ -1,13 +1,14 @@
 """Which tier a new generation restores from: the leader's pure decision over what the live
-members hold in memory (daemon/control/decide.py::newest_assemblable)."""
+members hold in memory (daemon/control/snapshot_steps.py), and when a step is complete."""
 
 from __future__ import annotations
 
 import pytest
 
-from daemon.control.decide import decide, newest_assemblable
+from daemon.control.decide import decide
 from daemon.control.records import HeldStep, SnapshotHoldings
 from daemon.control.snapshot import ProbeResult, StartGeneration
+from daemon.control.snapshot_steps import newest_assemblable, newest_complete
 from tests.unit.test_decide import NOW, REV, only, snap
 
 pytestmark = pytest.mark.unit
@@ -60,6 +61,29 @@ def test_manifests_that_disagree_on_the_world_size_are_not_trusted():
 
 def test_nothing_held():
     assert newest_assemblable({}) == (-1, ())
+    assert newest_complete({}) == -1
+
+
+def test_a_step_is_complete_once_every_shard_and_the_manifest_have_two_copies():
+    held = ring_of_three(12)
+    assert newest_complete(held) == 12
+    # Step 13: c's shard is only on c so far (its buddy copy on a is on its way).
+    held["a"] = holds("a", HeldStep(13, (0,), 3, True), *held["a"].steps)
+    held["b"] = holds("b", HeldStep(13, (0, 1), 3, True), *held["b"].steps)
+    held["c"] = holds("c", HeldStep(13, (1, 2), 3, True), *held["c"].steps)
+    assert newest_assemblable(held)[0] == 13  # readable now ...
+    assert newest_complete(held) == 12        # ... but not yet safe from losing c
+    held["a"] = holds("a", HeldStep(13, (0, 2), 3, True), *held["a"].steps[1:])
+    assert newest_complete(held) == 13
+
+
+def test_a_manifest_on_one_node_only_is_not_complete():
+    held = {"a": holds("a", HeldStep(5, (0, 1), 2, True)),
+            "b": holds("b", HeldStep(5, (0, 1), 0, False))}
+    assert newest_assemblable(held)[0] == 5
+    assert newest_complete(held) == -1
+    # A single node can never make a step complete: there is no second copy.
+    assert newest_complete({"a": holds("a", HeldStep(5, (0,), 1, True))}) == -1
 
 
 def failed_b(**changes):

@@ -1,0 +1,61 @@
+"""Which snapshot steps the cluster can restore, from the nodes' holdings records.
+
+Pure functions of `snapshots/<node>` records (daemon/control/records.py), unit-tested:
+- assemblable: every shard, the manifest and DCP's metadata are held by some live node, so a
+  restore can read it now;
+- complete: every shard and the manifest are held by two nodes at least (a primary and a buddy
+  copy), so the step survives the loss of any one node.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from daemon.control.records import HeldStep, SnapshotHoldings
+
+
+def _by_step(holdings: Mapping[str, SnapshotHoldings]) -> dict[int, list[tuple[str, HeldStep]]]:
+    by_step: dict[int, list[tuple[str, HeldStep]]] = {}
+    for node, h in holdings.items():
+        for held in h.steps:
+            by_step.setdefault(held.step, []).append((node, held))
+    return by_step
+
+
+def _world(parts: list[tuple[str, HeldStep]]) -> int | None:
+    """The step's world size, from the manifests among its holders (None: no manifest, or
+    manifests that disagree)."""
+    sizes = {held.world_size for _, held in parts if held.metadata and held.world_size > 0}
+    return sizes.pop() if len(sizes) == 1 else None
+
+
+def newest_assemblable(holdings: Mapping[str, SnapshotHoldings]) -> tuple[int, tuple[str, ...]]:
+    """The newest snapshot step whose every shard, manifest and metadata some node in
+    `holdings` holds, and those nodes (sorted); (-1, ()) when there is none."""
+    by_step = _by_step(holdings)
+    for step in sorted(by_step, reverse=True):
+        parts = by_step[step]
+        world = _world(parts)
+        if world is None:
+            continue
+        ranks = set().union(*(set(held.ranks) for _, held in parts))
+        if ranks >= set(range(world)):
+            return step, tuple(sorted(node for node, _ in parts))
+    return -1, ()
+
+
+def newest_complete(holdings: Mapping[str, SnapshotHoldings]) -> int:
+    """The newest step whose every shard and manifest two nodes or more hold; -1: none."""
+    by_step = _by_step(holdings)
+    for step in sorted(by_step, reverse=True):
+        parts = by_step[step]
+        world = _world(parts)
+        if world is None or sum(held.metadata for _, held in parts) < 2:
+            continue
+        copies = {rank: 0 for rank in range(world)}
+        for _, held in parts:
+            for rank in set(held.ranks) & copies.keys():
+                copies[rank] += 1
+        if min(copies.values(), default=0) >= 2:
+            return step
+    return -1
