@@ -125,6 +125,7 @@ class VerifyingReader(FileSystemReader):
         self.ckpt_dir, self.manifest, self.group = Path(path), manifest, group
         self.checked: dict[str, tuple[int, ...]] = {}  # file → blocks this rank verified
         self.invalid: CheckpointInvalid | None = None  # set alike on every rank
+        self.invalid_ranks: tuple[int, ...] = ()  # the ranks that found a problem
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         reads: dict[str, list[tuple[int, int]]] = {}
@@ -154,5 +155,6 @@ class VerifyingReader(FileSystemReader):
             others = sum(p != first for _, p in found)
             more = f"; {others} other problem(s) on other ranks" if others else ""
             self.invalid = CheckpointInvalid(f"{first} (found by rank {ranks}{more})")
+            self.invalid_ranks = tuple(rank for rank, _ in found)
             raise self.invalid
         return super().read_data(plan, planner)

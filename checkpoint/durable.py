@@ -6,6 +6,11 @@ after gathering every rank's write results (ours ride along), so by then all sha
 and fsynced. A restore verifies in parallel: each rank checks the blocks it will read
 (checkpoint/checksummed_storage.py). Checkpoint collectives run on their own gloo group, because
 the upload runs in a background thread while training collectives use the default group.
+
+With `fragments` (checkpoint.storage "node") each node's root is its own disk: every rank's
+shards land on its node and the manifest and `.metadata` on global rank 0's. Nobody reads another
+rank's file to write one (the manifest's checksums come from the writers), retention goes by age
+(`prune_fragments`) on every node, and a restore loads exactly the step it is asked for.
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ from checkpoint.manifest import (
     check_manifest,
     checkpoint_dir,
     list_checkpoints,
+    prune_fragments,
     verify_whole,
     write_manifest,
 )
@@ -52,8 +58,10 @@ class CheckpointManager:
         timeout: timedelta,
         log: Callable[[str], None] = _stderr,
         scheme: Scheme = CURRENT,
+        fragments: bool = False,
     ) -> None:
         self.root = root
+        self.fragments = fragments
         self.scheme = scheme
         self.keep = keep
         self.layout = layout
@@ -87,6 +95,8 @@ class CheckpointManager:
             future.add_done_callback(
                 lambda f: self._commit(f, writer, path, step, consumed, started)
             )
+        elif self.fragments:
+            future.add_done_callback(lambda f: self._prune_node(f))
         self._pending = future
 
     def _commit(
@@ -100,6 +110,8 @@ class CheckpointManager:
     ) -> None:
         try:
             future.result()
+            # On a node-local root only this rank's shards and `.metadata` are here to stat.
+            present = [e.path for e in writer.mine] + [".metadata"] if self.fragments else None
             write_manifest(
                 path,
                 step=step,
@@ -107,14 +119,27 @@ class CheckpointManager:
                 layout=self.layout,
                 files=writer.files,
                 scheme=self.scheme,
+                present=present,
             )
             self.commits.append((step, path, time.monotonic() - started))
-            apply_retention(self.root, self.keep)
+            if self.fragments:
+                prune_fragments(self.root, self.keep)
+            else:
+                apply_retention(self.root, self.keep)
         except Exception as exc:  # reported, never raised into DCP's executor thread
             self._error = f"checkpoint {path.name} failed: {exc}"
             self.log(self._error)
         finally:
             self._committed.set()
+
+    def _prune_node(self, future: Future) -> None:
+        """After this rank's part of a save on a node-local root: its node's retention (the
+        other nodes never see these directories)."""
+        try:
+            if future.exception() is None:
+                prune_fragments(self.root, self.keep)
+        except OSError as exc:  # logged, never raised into DCP's executor thread
+            self.log(f"pruning checkpoints under {self.root} failed: {exc}")
 
     def wait(self) -> None:
         """Block until the pending save (and on rank 0 its manifest) is done."""
@@ -153,6 +178,42 @@ class CheckpointManager:
                     self.log(f"checkpoint {path.name} is invalid ({reader.invalid}); trying an older one")
                 continue
             return path
+
+    def load_step(self, state: TrainState, step: int) -> tuple[str, tuple[int, ...]]:
+        """Load the checkpoint of exactly `step` into `state`, with no fallback to another one:
+        ("", ()) once loaded, else (why not, the ranks that could not), alike on every rank.
+
+        For a node-local root: rank 0's node must hold the manifest, and every rank's node the
+        `.metadata` and each shard its rank reads; all ranks agree on each check before reading.
+        """
+        path = checkpoint_dir(self.root, step)
+        choice: list[Manifest | str] = [""]
+        if self.rank == 0:
+            try:
+                choice[0] = check_manifest(path)
+            except CheckpointInvalid as e:
+                choice[0] = str(e)
+        dist.broadcast_object_list(choice, src=0, group=self.group)
+        manifest = choice[0]
+        if isinstance(manifest, str):
+            return manifest, (0,)
+        problem = ""
+        try:
+            verify_whole(path, manifest, [".metadata"])  # DCP's planning reads it on every rank
+        except CheckpointInvalid as e:
+            problem = str(e)
+        problems: list[str] = [""] * dist.get_world_size(self.group)
+        dist.all_gather_object(problems, problem, group=self.group)
+        if any(problems):
+            return next(p for p in problems if p), tuple(r for r, p in enumerate(problems) if p)
+        reader = self.last_reader = VerifyingReader(path, manifest, group=self.group)
+        try:
+            dcp.load({"state": state}, storage_reader=reader, process_group=self.group)
+        except CheckpointException:
+            if reader.invalid is None:
+                raise
+            return str(reader.invalid), reader.invalid_ranks
+        return "", ()
 
     def _next_candidate(self, candidates: Iterator[tuple[int, Path]]) -> tuple[Path, Manifest] | None:
         for _, path in candidates:

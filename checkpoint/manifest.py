@@ -40,8 +40,8 @@ from checkpoint.manifest_format import (
 __all__ = [
     "FORMAT", "FORMAT_VERSION", "MANIFEST_NAME", "READABLE_VERSIONS", "TMP_SUFFIX",
     "CheckpointInvalid", "FileEntry", "Manifest", "apply_retention", "check_manifest",
-    "checkpoint_dir", "latest_valid", "list_checkpoints", "read_manifest", "verify",
-    "verify_reads", "verify_whole", "write_manifest",
+    "checkpoint_dir", "latest_valid", "list_checkpoints", "prune_fragments", "read_manifest",
+    "verify", "verify_reads", "verify_whole", "write_manifest",
 ]
 
 _STEP_DIR = re.compile(r"step_(\d{8,})")
@@ -66,11 +66,15 @@ def write_manifest(
     extra: dict[str, Any] | None = None,
     files: Sequence[FileEntry] | None = None,
     scheme: Scheme = CURRENT,
+    present: Iterable[str] | None = None,
 ) -> Path:
     """Commit the checkpoint in `ckpt_dir` by writing its manifest.
 
     `files` are the entries the writers computed as they wrote (every file of the directory,
-    checksummed with `scheme`); without them every file is read and checksummed here. Call only
+    checksummed with `scheme`); without them every file is read and checksummed here. `present`
+    limits the size check of reported files to those paths: on a node-local directory
+    (checkpoint.storage "node") the other nodes' shards are not here, and their writers' own
+    entries are all there is to know of them. Call only
     after the DCP save has finished on every rank: from the moment this returns, the directory is
     a checkpoint, durably.
     """
@@ -81,7 +85,7 @@ def write_manifest(
     if files is None:
         files = tuple(_describe(ckpt_dir, rel, scheme) for rel in rel_paths)
     else:
-        files = _check_reported(ckpt_dir, files, scheme)
+        files = _check_reported(ckpt_dir, files, scheme, present)
     for sub in subdirs:
         _fsync_dir(sub)
     manifest = Manifest(
@@ -129,7 +133,7 @@ def _describe(ckpt_dir: Path, rel: str, scheme: Scheme) -> FileEntry:
 
 
 def _check_reported(
-    ckpt_dir: Path, files: Sequence[FileEntry], scheme: Scheme
+    ckpt_dir: Path, files: Sequence[FileEntry], scheme: Scheme, present: Iterable[str] | None
 ) -> tuple[FileEntry, ...]:
     """The writers' entries, sorted, once each file's size on disk (stat only) agrees.
 
@@ -139,8 +143,10 @@ def _check_reported(
     verification, as the file is not in the manifest.
     """
     by_path = {f.path: f for f in files}
+    here = None if present is None else set(present)
     for entry in files:
-        _check_size(ckpt_dir, entry)
+        if here is None or entry.path in here:
+            _check_size(ckpt_dir, entry)
         if len(entry.digests) != scheme.block_count(entry.size):
             raise CheckpointInvalid(
                 f"{ckpt_dir.name}/{entry.path}: reported digests do not match its size"
@@ -320,6 +326,24 @@ def apply_retention(root: Path, keep: int) -> list[Path]:
         if valid_seen > keep:
             _remove(path)
             removed.append(path)
+    return removed
+
+
+def prune_fragments(root: Path, keep: int) -> list[Path]:
+    """Keep the newest `keep` step directories of a node-local root (checkpoint.storage "node").
+
+    Such a directory holds only this node's shards (and, on global rank 0's node, the manifest
+    and `.metadata`), so it cannot be verified here: age alone decides. Every rank of a node may
+    prune the same root at once, so a directory another one removed first is not an error.
+    Returns the removed directories.
+    """
+    if keep < 1:
+        raise ValueError(f"checkpoint.keep must be >= 1 (got {keep})")
+    removed: list[Path] = []
+    for _, path in list_checkpoints(root)[keep:]:
+        (path / MANIFEST_NAME).unlink(missing_ok=True)
+        shutil.rmtree(path, ignore_errors=True)
+        removed.append(path)
     return removed
 
 

@@ -113,6 +113,13 @@ class CheckpointConfig:
     # In-memory snapshots (docs/snapshots.md), taken by workers an agent runs: every this many
     # steps (0: off), into the node's shared memory, replicated to a buddy node.
     snapshot_every: int = 1
+    # "shared": `dir` is one filesystem every node mounts (checked at each generation's start).
+    # "node": each node's `dir` is its own disk; durable checkpoints are then fragments, and
+    # restores come from peer memory (docs/snapshots.md, "Node-local checkpoint directories").
+    storage: str = "shared"
+
+
+CHECKPOINT_STORAGE = ("shared", "node")
 
 
 @dataclass(frozen=True)
@@ -304,6 +311,9 @@ def validate(cfg: JobConfig) -> None:
     _positive("checkpoint.keep", c.keep)
     if c.snapshot_every < 0:
         raise ConfigError(f"checkpoint.snapshot_every must be >= 0 (got {c.snapshot_every})")
+    if c.storage not in CHECKPOINT_STORAGE:
+        raise ConfigError(f"checkpoint.storage must be one of {', '.join(CHECKPOINT_STORAGE)} "
+                          f"(got {c.storage!r})")
     if c.every and not c.dir:
         raise ConfigError("checkpoint.dir must be set when checkpoint.every > 0")
     _validate_fault(cfg.fault)

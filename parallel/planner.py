@@ -60,6 +60,9 @@ class Restore:
     step: int = 0
     locations: tuple[str, ...] = ()
     reason: str = ""  # why this tier (e.g. why not the in-memory snapshots)
+    # The newest durable checkpoint the leader has recorded, whatever the source (0: none):
+    # the step a fallback from the snapshot must reach when checkpoint.storage is "node".
+    checkpoint_step: int = 0
 
     def __post_init__(self) -> None:
         if self.source not in RESTORE_SOURCES:
@@ -73,7 +76,8 @@ class Restore:
     def from_dict(cls, raw: Mapping[str, Any]) -> Restore:
         return cls(source=str(raw.get("source", "init")), step=int(raw.get("step", 0)),
                    locations=tuple(str(x) for x in raw.get("locations", ())),
-                   reason=str(raw.get("reason", "")))
+                   reason=str(raw.get("reason", "")),
+                   checkpoint_step=int(raw.get("checkpoint_step", 0)))
 
 
 @dataclass(frozen=True)
@@ -142,7 +146,9 @@ class Plan:
                       "prefix": self.store.prefix},
             "restore": {"source": self.restore.source, "step": self.restore.step,
                         "locations": list(self.restore.locations),
-                        **({"reason": self.restore.reason} if self.restore.reason else {})},
+                        **({"reason": self.restore.reason} if self.restore.reason else {}),
+                        **({"checkpoint_step": self.restore.checkpoint_step}
+                           if self.restore.checkpoint_step else {})},
             "predicted": {
                 "memory_bytes": {"params": m.params, "grads": m.grads,
                                  "optimizer": m.optimizer, "activations": m.activations},

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import sys
 import time
 from collections.abc import Callable
@@ -21,12 +22,14 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from checkpoint.durable import CheckpointManager
+from checkpoint.manifest import checkpoint_dir
 from checkpoint.snapshot_reader import Fetch
 from parallel.job import JobConfig
 from parallel.layout import Layout
 from parallel.planner import Restore
 from trainer.loop import StepResult, Trainer
 from trainer.memory_meter import MemoryMeter
+from trainer.shared_storage import CheckpointFragmented
 from trainer.snapshots import Restored, Snapshots, restore_snapshot
 
 
@@ -112,15 +115,18 @@ class GenerationDriver:
         step_log: Path | None = None,
         log: Callable[[str], None] = _stderr,
         snapshot_root: Path | None = None,
+        node: str = "",
     ) -> None:
         self.job, self.layout, self.last_step, self.generation = job, layout, last_step, generation
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+        self.node = node or os.uname().nodename  # named in a fragmented-checkpoint failure
         self.trainer = Trainer(job, layout, mesh, device)
         self.memory = MemoryMeter(self.trainer.model, self.trainer.optimizer, device)
         root = checkpoint_root(job)
         self.ckpt = (
             CheckpointManager(
-                root, job.checkpoint.keep, layout=layout.to_dict(), timeout=timeout, log=log
+                root, job.checkpoint.keep, layout=layout.to_dict(), timeout=timeout, log=log,
+                fragments=job.checkpoint.storage == "node",
             )
             if root is not None
             else None
@@ -156,7 +162,11 @@ class GenerationDriver:
     def restore_planned(self, planned: Restore, fetch: Fetch | None) -> Restored:
         """Restore what the plan names, falling back tier by tier: the snapshot (from this
         node's memory or a peer's, through `fetch`), then the newest valid durable checkpoint,
-        then the initial weights. Every rank takes the same branch."""
+        then the initial weights. Every rank takes the same branch.
+
+        On node-local directories (checkpoint.storage "node") the durable tier is the recorded
+        checkpoint or nothing: when one is recorded and the ranks cannot all load it, every rank
+        raises `CheckpointFragmented` rather than start from older state."""
         started = time.perf_counter()
         skipped, fetched = "", 0
         if planned.source == "snapshot":
@@ -167,9 +177,33 @@ class GenerationDriver:
             if not skipped:
                 return Restored("snapshot", self.step, "", time.perf_counter() - started,
                                 fetched, f"snapshot@{planned.step}")
-        loaded = self.restore()
+        recorded = planned.step if planned.source == "checkpoint" else planned.checkpoint_step
+        if self.ckpt is not None and self.ckpt.fragments and recorded > 0:
+            memory = (f"the planned snapshot@{planned.step} was skipped: {skipped[:300]}"
+                      if planned.source == "snapshot"
+                      else planned.reason or "no snapshot the live nodes hold whole is as new")
+            loaded = self._restore_recorded(recorded, memory)
+        else:
+            loaded = self.restore()
         return Restored("checkpoint" if loaded else "init", self.step, skipped,
                         time.perf_counter() - started, fetched, loaded.name if loaded else "")
+
+    def _restore_recorded(self, step: int, memory: str) -> Path:
+        """Load durable checkpoint `step` from node-local directories, or fail every rank alike
+        naming the nodes and directories that lack its files."""
+        assert self.ckpt is not None
+        problem, ranks = self.ckpt.load_step(self.trainer.state, step)
+        if not problem:
+            self._saved_step = self.step
+            return checkpoint_dir(self.ckpt.root, step)
+        where: list[tuple[str, str]] = [("", "")] * self.world_size
+        dist.all_gather_object(where, (self.node, str(self.ckpt.root)))
+        nodes = ", ".join(sorted({where[r][0] for r in ranks}))
+        dirs = ", ".join(sorted({where[r][1] for r in ranks}))
+        raise CheckpointFragmented(
+            f"cannot restore checkpoint step {step}: checkpoint.storage is \"node\" and node(s) "
+            f"{nodes} lack its files in checkpoint.dir {dirs} ({problem}); {memory}. Gather "
+            f"every node's checkpoint.dir into one shared directory to restore it")
 
     def snapshot_due(self, step: int) -> bool:
         return self.snapshots is not None and step < self.last_step and self.snapshots.due(step)

@@ -16,8 +16,9 @@ Kind = Literal["peer", "local", "storage", "disk"]
 # torch.distributed's own error types for a broken rendezvous or store connection, and this
 # worker's for an agent that stopped answering.
 PEER_TYPES = ("DistNetworkError", "DistStoreError", "AgentUnreachable", "PeerStorageNotShared")
-# A checkpoint directory this rank cannot see: no retry can fix it (trainer/shared_storage.py).
-STORAGE_TYPES = ("StorageNotShared",)
+# A checkpoint directory this rank cannot see, or a durable checkpoint spread over node-local
+# directories that a restore needs: no retry can fix either (trainer/shared_storage.py).
+STORAGE_TYPES = ("StorageNotShared", "CheckpointFragmented")
 # The filesystem itself failed (full, read-only, I/O errors): the job's shared storage, not this
 # node, so nobody is blamed; a repeat at the same step fails the job with the cause.
 DISK_PATTERNS = re.compile(
@@ -54,7 +55,8 @@ PEER_PATTERNS = re.compile(
 
 def classify_failure(text: str) -> Kind:
     """'peer' for a failed collective, rendezvous, store or agent call; 'storage' for a
-    checkpoint directory that is not shared; 'disk' for a failing filesystem; 'local'
+    checkpoint directory that is not shared or a checkpoint a restore needs that is in pieces
+    on node-local directories; 'disk' for a failing filesystem; 'local'
     otherwise."""
     error_type = text.split(":", 1)[0].strip()
     if error_type in STORAGE_TYPES:

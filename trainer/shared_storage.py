@@ -7,6 +7,11 @@ Global rank 0 writes a marker named after the generation's unique store prefix; 
 barrier every rank looks for it. A rank that cannot see it raises `StorageNotShared` naming its
 node and the path, which the agent reports as a `storage` failure and the leader turns into a
 failed job at once (retrying cannot fix a mount).
+
+A job that says its directories are per node (checkpoint.storage "node") skips the check and
+accepts the fragments: its restores come from peer memory. When one has to come from a durable
+checkpoint instead, the ranks raise `CheckpointFragmented`, another `storage` failure, rather
+than start over from older state (trainer/driver.py).
 """
 
 from __future__ import annotations
@@ -21,6 +26,10 @@ import torch.distributed as dist
 
 class StorageNotShared(RuntimeError):
     """This rank cannot see the checkpoint directory rank 0 writes to."""
+
+
+class CheckpointFragmented(RuntimeError):
+    """The durable checkpoint a restore needs is spread over node-local directories."""
 
 
 class PeerStorageNotShared(RuntimeError):

@@ -135,8 +135,9 @@ class Generation:
         root = checkpoint_root(job)
         snapshot_root = Path(os.environ["ULTRA_SNAPSHOT_ROOT"]) \
             if os.environ.get("ULTRA_SNAPSHOT_ROOT") else None
-        if root is not None:
-            check_shared(root, gp.store_prefix, os.environ.get("ULTRA_NODE_ID", "?"))
+        node = os.environ.get("ULTRA_NODE_ID", "")
+        if root is not None and job.checkpoint.storage == "shared":
+            check_shared(root, gp.store_prefix, node or "?")
         driver = GenerationDriver(
             job,
             layout,
@@ -148,12 +149,13 @@ class Generation:
             step_log=output_dir(job) or Path("."),
             log=_log,
             snapshot_root=snapshot_root,
+            node=node,
         )
         fetch = self.link.snapshot_fetch(plan.restore.step) if snapshot_root else None
         restored = driver.restore_planned(plan.restore, fetch)
         self.step = driver.step
         self.link.report_restore(gp, restored)
-        mine = [r.local_rank for r in plan.ranks_of(os.environ.get("ULTRA_NODE_ID", ""))]
+        mine = [r.local_rank for r in plan.ranks_of(node)]
         if snapshot_root is not None and mine and gp.local_rank == min(mine):
             # Newer snapshots on this node belong to a history the restore went back from.
             SnapshotStore(snapshot_root).free_after(driver.step)
@@ -182,6 +184,10 @@ class Generation:
                 return Outcome("left", result.step)
             driver.commit(result)
             if action.stop:
+                if driver.job.checkpoint.storage == "node":
+                    # The next generation can then restore this step from memory: its durable
+                    # checkpoint is in pieces, one per node (docs/snapshots.md).
+                    driver.snapshot()
                 break
             if action.checkpoint:
                 checkpoint_seq_done = agreed.checkpoint_seq

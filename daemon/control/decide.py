@@ -266,7 +266,8 @@ class _Decider:
                 if n in self.s.members and h.spec_revision == self.s.spec_revision}
         step, holders = newest_assemblable(held)
         if step > 0 and step >= durable:
-            return {"source": "snapshot", "step": step, "locations": list(holders)}
+            return {"source": "snapshot", "step": step, "locations": list(holders),
+                    "checkpoint_step": max(durable, 0)}
         why = {}
         if self.s.progress.step > max(durable, 0) and self.plan is not None:
             # A restore that loses steps: say why memory could not serve it.

@@ -222,7 +222,7 @@ class FailureKind(str, enum.Enum):
     LOCAL = "local"          # a worker's own error: data, disk, a bug (node implicated)
     PEER = "peer"            # a collective failed because of another rank (nobody implicated)
     LOST = "lost"            # a member's agent is gone (node implicated)
-    STORAGE = "storage"      # the node cannot see the shared checkpoint dir: no retry helps
+    STORAGE = "storage"      # checkpoint dir not shared, or split over nodes: no retry helps
     DISK = "disk"            # the checkpoint filesystem failed (full, read-only): nobody to blame
 
 

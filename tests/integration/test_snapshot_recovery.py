@@ -55,12 +55,24 @@ def restore_events(cluster: LocalCluster, token: str) -> list[str]:
 
 
 def run_until_a_kill(cluster: LocalCluster, token_file: Path, tmp_path: Path,
-                     victim: str | None = None) -> tuple[str, str, Path]:
+                     victim: str | None = None, **checkpoint: object) -> tuple[str, str, Path]:
     """Submit the job, SIGKILL `victim`'s agent (default: the leader's) once step KILL_AFTER is
     committed, and wait for the job to finish; returns (token, victim, steps.jsonl)."""
+    token, victim, steps_file = submit_and_kill(cluster, token_file, tmp_path, victim,
+                                                **checkpoint)
+    wait_until(lambda: _call(cluster, token, "GetStatus", pb.GetStatusRequest()).finished, 180,
+               "the job to finish", 0.25)
+    return token, victim, steps_file
+
+
+def submit_and_kill(cluster: LocalCluster, token_file: Path, tmp_path: Path,
+                    victim: str | None = None, **checkpoint: object) -> tuple[str, str, Path]:
+    """Submit the job (`checkpoint` adds options of its section), and SIGKILL `victim`'s agent
+    (default: the leader's) once step KILL_AFTER is committed; returns (token, victim,
+    steps.jsonl)."""
     # Durable checkpoints every 6 steps: a restore from disk at step 9 would lose 3.
     job_text = small_job_text(token_file, train={"steps": STEPS},
-                              checkpoint={"dir": "ckpt", "every": EVERY})
+                              checkpoint={"dir": "ckpt", "every": EVERY, **checkpoint})
     (tmp_path / "job.toml").write_text(job_text)
     output = tmp_path / "output"
     token = cluster.token_file.read_text().strip()
@@ -71,8 +83,6 @@ def run_until_a_kill(cluster: LocalCluster, token_file: Path, tmp_path: Path,
                f"step {KILL_AFTER}", 0.05)
     victim = victim or _call(cluster, token, "GetStatus", pb.GetStatusRequest()).leader
     cluster.agents[victim].send_signal(signal.SIGKILL)
-    wait_until(lambda: _call(cluster, token, "GetStatus", pb.GetStatusRequest()).finished, 180,
-               "the job to finish", 0.25)
     return token, victim, steps_file
 
 

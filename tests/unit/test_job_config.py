@@ -49,6 +49,8 @@ def test_defaults_and_overrides():
         ),
         ("[data]\n", [], "data"),
         (MINIMAL + "[checkpoint]\nevery = 5\n", [], "checkpoint.dir"),
+        (MINIMAL + '[checkpoint]\nstorage = "local"\n', [], "checkpoint.storage must be one of"),
+        (MINIMAL, ["checkpoint.storage=1"], "checkpoint.storage"),
         (MINIMAL, ["parallel.bogus=1"], "parallel.bogus"),
         (MINIMAL, ["nosection.key=1"], "nosection.key"),
         (MINIMAL, ["novalue"], "key.path=value"),
@@ -87,6 +89,14 @@ def test_layout_checks_against_the_world(world, parallel, field):
     with pytest.raises(ConfigError) as err:
         resolve(loads(body), world)
     assert field in str(err.value)
+
+
+def test_checkpoint_storage_is_shared_unless_set_to_node():
+    assert loads(MINIMAL).checkpoint.storage == "shared"
+    cfg = loads(MINIMAL + '[checkpoint]\ndir = "ckpt"\nstorage = "node"\n')
+    assert cfg.checkpoint.storage == "node"
+    assert from_dict(cfg.to_dict()) == cfg
+    assert loads(MINIMAL, ['checkpoint.storage="node"']).checkpoint.storage == "node"
 
 
 def test_fault_defaults_apply_without_a_section():

@@ -9,6 +9,7 @@ from daemon.control.decide import decide
 from daemon.control.records import HeldStep, SnapshotHoldings
 from daemon.control.snapshot import ProbeResult, StartGeneration
 from daemon.control.snapshot_steps import newest_assemblable, newest_complete
+from parallel.planner import Plan
 from tests.unit.test_decide import NOW, REV, only, snap
 
 pytestmark = pytest.mark.unit
@@ -98,6 +99,9 @@ def test_a_failure_restores_the_newest_snapshot_the_survivors_hold():
     start = only(decide(failed_b(holdings=held)), StartGeneration)
     r = start.plan.restore
     assert (r.source, r.step, r.locations) == ("snapshot", 41, ("a", "c"))
+    # The durable checkpoint a failed snapshot load must fall back to, carried in the plan.
+    assert r.checkpoint_step == 40
+    assert Plan.from_json(start.plan.to_json()).restore == r
 
 
 def test_a_snapshot_older_than_the_durable_checkpoint_is_not_used():
