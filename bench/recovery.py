@@ -40,6 +40,9 @@ keep_alive_interval=1,keep_alive_max_attempt=2`; `torchrun-lastcall` (not run by
 only `last_call_timeout=1,join_timeout=60`.
 
 Prints a table of medians over `--runs` runs, and each arm's ratio to ultrad's.
+Each ultrad run's line also carries the survivors' own measurement, the mean of
+`ultra_recovery_duration_seconds`: `agent_recovery_s` (phase="total") and
+`agent_recovery_phases_s` (detect, rendezvous, restore, first_step; docs/observability.md).
 """
 
 from __future__ import annotations
