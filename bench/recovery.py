@@ -40,6 +40,9 @@ keep_alive_interval=1,keep_alive_max_attempt=2`; `torchrun-lastcall` (not run by
 only `last_call_timeout=1,join_timeout=60`.
 
 Prints a table of medians over `--runs` runs, and each arm's ratio to ultrad's.
+Each ultrad run's line also carries the survivors' own measurement, the mean of
+`ultra_recovery_duration_seconds`: `agent_recovery_s` (phase="total") and
+`agent_recovery_phases_s` (detect, rendezvous, restore, first_step; docs/observability.md).
 """
 
 from __future__ import annotations
@@ -310,7 +313,7 @@ def run_ultrad(work: Path, job: Path, kill_step: int, run: int, arm: str = "ultr
         if res.detect is None:  # no worker report reached it: the lease ran out instead
             res.extra["detect_via"] = "lease expiry"
             res.detect = res.rdzv
-        # The agents' own view: ultra_recovery_duration_seconds (failure seen → first step).
+        # The agents' own view: ultra_recovery_duration_seconds{phase} (failure → first step).
         time.sleep(0.5)
         for node, proc in cluster.agents.items():
             if node == victim or proc.poll() is not None:
@@ -318,11 +321,10 @@ def run_ultrad(work: Path, job: Path, kill_step: int, run: int, arm: str = "ultr
             info = json.loads((cluster.state_dir / node / "agent.json").read_text())
             with contextlib.suppress(OSError):
                 text = urllib.request.urlopen(info["metrics_url"], timeout=5).read().decode()
-                s = re.search(r"^ultra_recovery_duration_seconds_sum\S* (\S+)", text, re.M)
-                n = re.search(r"^ultra_recovery_duration_seconds_count\S* (\S+)", text, re.M)
-                if s and n and float(n.group(1)) > 0:
-                    res.extra.setdefault("agent_recovery_s", {})[node] = round(
-                        float(s.group(1)) / float(n.group(1)), 3)
+                phases = agent_recovery_means(text)
+                if "total" in phases:
+                    res.extra.setdefault("agent_recovery_s", {})[node] = phases.pop("total")
+                    res.extra.setdefault("agent_recovery_phases_s", {})[node] = phases
     except (TimeoutError, OSError, RuntimeError, grpc.RpcError) as exc:
         res.error = f"{type(exc).__name__}: {exc}"
     finally:
@@ -334,6 +336,18 @@ def run_ultrad(work: Path, job: Path, kill_step: int, run: int, arm: str = "ultr
                 os.kill(pid, signal.SIGKILL)
     return res
 
+
+
+def agent_recovery_means(text: str) -> dict[str, float]:
+    """Mean seconds per phase of `ultra_recovery_duration_seconds{phase}` in an agent's
+    /metrics text ("total" among them), for the phases that counted a recovery."""
+    found: dict[str, dict[str, float]] = {}
+    for kind, phase, value in re.findall(
+            r'^ultra_recovery_duration_seconds_(sum|count)\{[^}]*phase="(\w+)"[^}]*\} (\S+)',
+            text, re.M):
+        found.setdefault(phase, {})[kind] = float(value)
+    return {phase: round(v["sum"] / v["count"], 3) for phase, v in found.items()
+            if v.get("count", 0) > 0 and "sum" in v}
 
 # -- torchrun -------------------------------------------------------------------------------
 

@@ -43,6 +43,7 @@ from daemon.node.progress import ProgressWriter
 from daemon.node.snapshot_keeper import SnapshotKeeper
 from daemon.node.supervisor import Supervisor, WorkerExit
 from daemon.node.watchdog import HangDetector, Watchdog
+from daemon.recovery_phases import RecoveryPhases
 from daemon.state import AgentState, StateMachine
 from daemon.tasks import Backoff, TaskSupervisor
 from daemon.worker_reports import WorkerReports
@@ -74,7 +75,7 @@ class Agent(WorkerReports):
         self.hangs = HangDetector()
         self._follow = asyncio.Event()
         self._seen_generation = 0
-        self._failure_at: tuple[float, int] | None = None  # (monotonic, generation) of a failure
+        self.recovery = RecoveryPhases()  # the recovery in progress, if any, split in phases
         # local ranks killed as hung: why, and the generation they hung in
         self._hung: dict[int, tuple[str, int]] = {}
         # The newest generation a local worker failed in: it is broken, never hand it out again.
@@ -235,10 +236,12 @@ class Agent(WorkerReports):
     # -- generations ----------------------------------------------------------------------------
 
     def _on_view(self, kinds: set[str]) -> None:
-        plan = self.view.plan
-        if "nodes" in kinds and plan is not None and self._failure_at is None \
+        plan, now = self.view.plan, time.monotonic()
+        if plan is not None:
+            self.recovery.plan_seen(plan.generation, now)
+        if "nodes" in kinds and plan is not None and not self.recovery.active \
                 and any(n not in self.view.nodes for n in plan.nodes):
-            self._failure_at = (time.monotonic(), plan.generation)
+            self.recovery.failed(plan.generation, now)
         if kinds & {"spec", "status", "checkpoint"}:
             self.metrics.observe_job(job_state(self.view)[0], self.view.checkpoint)
         self._follow.set()
@@ -332,9 +335,8 @@ class Agent(WorkerReports):
     # -- worker reports ---------------------------------------------------------------------------
 
     def on_worker_failure(self, local_rank: int, generation: int, kind: FailureKind, step: int,
-                          message: str) -> None:
-        if self._failure_at is None:
-            self._failure_at = (time.monotonic(), generation)
+                          message: str, detect_s: float = 0.0) -> None:
+        self.recovery.failed(generation, time.monotonic(), detect_s)
         self.broken_generation = max(self.broken_generation, generation)
         log.error("worker local_rank=%d failed in generation %d (%s): %s", local_rank,
                   generation, kind.value, message[:500])

@@ -12,6 +12,7 @@ from daemon.control.snapshot_steps import newest_complete
 from daemon.control.view import ClusterView
 from daemon.node.progress import ProgressWriter
 from daemon.node.watchdog import HangDetector
+from daemon.recovery_phases import RecoveryPhases
 from parallel.planner import Plan
 from proto.ultrascale.v1 import agent_pb2 as pb
 
@@ -24,8 +25,7 @@ class WorkerReports:
     hangs: HangDetector
     metrics: Metrics
     progress: ProgressWriter
-    # (monotonic time, generation) of the failure a recovery is measured from
-    _failure_at: tuple[float, int] | None
+    recovery: RecoveryPhases
 
     def handed(self, local_rank: int, generation: int) -> None:
         self.hangs.beat(local_rank, generation, "idle" if not generation else "join", 0,
@@ -35,16 +35,20 @@ class WorkerReports:
         self.hangs.beat(beat.local_rank, beat.generation, beat.phase, beat.step,
                         time.monotonic())
 
-    def on_step(self, report: pb.StepReport) -> None:
+    def _reporting_rank(self, local_rank: int) -> bool:
+        """This node's first local rank in the plan: the one whose reports become metrics."""
         plan = self.view.plan
-        self.hangs.step_done(report.local_rank, report.step, report.step_seconds,
-                             time.monotonic())
         mine = plan.ranks_of(self.node_id) if plan else ()
-        if report.local_rank == min((r.local_rank for r in mine), default=0):
+        return local_rank == min((r.local_rank for r in mine), default=0)
+
+    def on_step(self, report: pb.StepReport) -> None:
+        now = time.monotonic()
+        self.hangs.step_done(report.local_rank, report.step, report.step_seconds, now)
+        if self._reporting_rank(report.local_rank):
             self.metrics.observe_step(report)
-            if self._failure_at is not None and report.generation > self._failure_at[1]:
-                self.metrics.recovery.observe(time.monotonic() - self._failure_at[0])
-                self._failure_at = None
+            recovered = self.recovery.stepped(report.generation, now)
+            if recovered is not None:
+                self.metrics.observe_recovery(recovered)
         if report.global_rank == 0:
             self.progress.report(report.generation, step=report.step,
                                  consumed_samples=report.consumed_samples, loss=report.loss,
@@ -63,6 +67,8 @@ class WorkerReports:
             self.progress.checkpoint(report.generation, report.step, report.path)
 
     def on_restore(self, report: pb.RestoreReport) -> None:
+        if self._reporting_rank(report.local_rank):
+            self.recovery.restored(report.generation, time.monotonic())
         if report.global_rank == 0:
             record = restore_record(report, self.view.plan)
             self.metrics.observe_restore(record)

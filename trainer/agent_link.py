@@ -14,6 +14,7 @@ import grpc
 from parallel.job import FaultConfig
 from proto.ultrascale.v1 import agent_pb2 as pb
 from proto.ultrascale.v1 import agent_pb2_grpc as pb_grpc
+from trainer.driver import Blocked
 from trainer.loop import StepResult
 from trainer.snapshots import Restored
 
@@ -82,7 +83,9 @@ class AgentLink:
             timeout=timeout,
         )
 
-    def report_step(self, gp: pb.GenerationPlan, r: StepResult, dp: int) -> pb.StepReply:
+    def report_step(self, gp: pb.GenerationPlan, r: StepResult, dp: int,
+                    blocked: Blocked | None = None) -> pb.StepReply:
+        """`blocked`: what checkpoints taken after the previous step held the loop."""
         report = pb.StepReport(
             generation=gp.generation,
             global_rank=gp.global_rank,
@@ -107,9 +110,16 @@ class AgentLink:
             report.memory_activations_bytes = m.activations
             if m.peak is not None:  # the CUDA allocator's peak
                 report.memory_peak_bytes = m.peak
+        if blocked is not None and blocked.memory is not None:
+            report.snapshot_blocking_seconds = blocked.memory
+        if blocked is not None and blocked.durable is not None:
+            report.checkpoint_blocking_seconds = blocked.durable
         return self._call("ReportStep", report)
 
-    def report_failure(self, gp: pb.GenerationPlan, message: str, kind: str, step: int) -> None:
+    def report_failure(
+        self, gp: pb.GenerationPlan, message: str, kind: str, step: int, failed_at: float
+    ) -> None:
+        """`failed_at`: Unix time this rank saw the failure (the agent's detect phase)."""
         self._call(
             "ReportFailure",
             pb.FailureReport(
@@ -119,6 +129,7 @@ class AgentLink:
                 message=message,
                 kind=kind,
                 step=step,
+                failed_at=failed_at,
             ),
         )
 

@@ -95,6 +95,16 @@ class StepLog:
             f.write(line + "\n")
 
 
+@dataclasses.dataclass
+class Blocked:
+    """Seconds checkpoints held this rank's step loop since the last `take_blocked()`, per
+    tier (None: none taken): the in-memory snapshot, and a durable checkpoint's staging
+    (with the wait for the previous checkpoint's upload)."""
+
+    memory: float | None = None
+    durable: float | None = None
+
+
 class GenerationDriver:
     """Build, restore, step and checkpoint one generation; the caller decides when to stop.
 
@@ -140,6 +150,7 @@ class GenerationDriver:
         )
         self._saved_step = -1
         self._reported = 0  # commits returned by new_commits
+        self._blocked = Blocked()
 
     @property
     def step(self) -> int:
@@ -212,6 +223,7 @@ class GenerationDriver:
         """Snapshot the current step into the node's shared memory (collective)."""
         if self.snapshots is not None:
             self.snapshots.take(self.trainer.state)
+            self._blocked.memory = self.snapshots.blocking_seconds
 
     def train_step(self) -> StepResult:
         with self.memory.measure():
@@ -234,7 +246,9 @@ class GenerationDriver:
     def save(self) -> None:
         """Checkpoint the current step in the background (once per step)."""
         if self.ckpt is not None and self._saved_step != self.step:
+            started = time.perf_counter()
             self.ckpt.save_async(self.trainer.state)
+            self._blocked.durable = time.perf_counter() - started
             self._saved_step = self.step
 
     def save_durably(self) -> None:
@@ -253,6 +267,11 @@ class GenerationDriver:
         """Let the pending background checkpoint finish."""
         if self.ckpt is not None:
             self.ckpt.wait()
+
+    def take_blocked(self) -> Blocked:
+        """What checkpoints blocked since the last call (for the next step report)."""
+        blocked, self._blocked = self._blocked, Blocked()
+        return blocked
 
     def new_commits(self) -> list[tuple[int, Path, float]]:
         """(step, path, seconds the save took) of each checkpoint committed since the last call;

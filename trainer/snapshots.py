@@ -66,7 +66,7 @@ class Snapshots:
     def __init__(self, root: Path, every: int, layout: dict[str, Any],
                  log: Callable[[str], None]) -> None:
         self.root, self.every, self.layout, self.log = Path(root), every, layout, log
-        self.blocking_seconds = 0.0  # the last snapshot's time on the training path
+        self.blocking_seconds = 0.0  # the last snapshot's time on the training path, failed or not
         self.failures = 0
         self._template: Template | None = None
         self._coordinator: CoordinatorTemplate | None = None
@@ -88,6 +88,7 @@ class Snapshots:
                 rewrite_snapshot(state, self.root, self._template, self._coordinator,
                                  layout=self.layout)
         except (CheckpointException, OSError, ValueError) as exc:
+            self.blocking_seconds = time.perf_counter() - started
             self.failures += 1
             if self.failures == 1 or dist.get_rank() == 0:
                 self.log(f"snapshot of step {state.progress.step} failed on rank "

@@ -74,6 +74,7 @@ class Outcome:
     step: int  # steps completed
     message: str = ""
     failure_kind: str = ""  # "peer" | "local" when failed
+    failed_at: float = 0.0  # Unix time the failure reached this rank's top level
 
 
 def die_with_agent() -> None:
@@ -178,7 +179,7 @@ class Generation:
             beat.update(gp.generation, "step", result.step)
             if self.faults is not None:
                 self.faults.check(result.step)
-            agreed = agree(link.report_step(gp, result, driver.layout.dp))
+            agreed = agree(link.report_step(gp, result, driver.layout.dp, driver.take_blocked()))
             action = decide(agreed, checkpoint_seq_done)
             if action.leave_now:
                 return Outcome("left", result.step)
@@ -222,9 +223,10 @@ def run_one(
         outcome = generation.run()
     # DCP's CheckpointException derives from BaseException, not Exception.
     except (Exception, CheckpointException) as exc:  # noqa: BLE001 - any error ends it
+        failed_at = time.time()
         # Keep only the text: the exception's traceback pins the model and the old group.
         text = f"{type(exc).__name__}: {exc}"[:2000]
-        outcome = Outcome("failed", generation.step, text, classify_failure(text))
+        outcome = Outcome("failed", generation.step, text, classify_failure(text), failed_at)
     # Generation.run's frame is gone: nothing references the model or the mesh any more.
     if outcome.kind == "failed":
         # Report first: the leader's decision then overlaps the teardown below. The report is
@@ -232,7 +234,8 @@ def run_one(
         first_line = outcome.message.splitlines()[0] if outcome.message else ""
         _log(f"generation {gp.generation} failed ({outcome.failure_kind}): {first_line}")
         try:
-            link.report_failure(gp, outcome.message, outcome.failure_kind, outcome.step)
+            link.report_failure(gp, outcome.message, outcome.failure_kind, outcome.step,
+                                outcome.failed_at)
         except AgentUnreachable as exc:
             _log(f"could not report the failure: {exc}")
     leave_world()

@@ -25,13 +25,19 @@ from prometheus_client import (
 
 from daemon import __version__
 from daemon.control.records import CheckpointRecord, JobState, Progress, RestoreRecord
+from daemon.recovery_phases import PHASES, Recovery
 from parallel.planner import Plan
 from proto.ultrascale.v1 import agent_pb2 as pb
 
 MEMORY_KINDS = ("params", "grads", "optimizer", "activations")
 _STEP_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
-_RECOVERY_BUCKETS = (0.25, 0.5, 1, 2, 3, 5, 10, 20, 30, 60, 120)
+# Phases last from milliseconds (detect) to minutes; 60 s is the UltraRecoverySlow threshold.
+_RECOVERY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 3, 5, 10, 20, 30, 60, 120)
+RECOVERY_PHASES = (*PHASES, "total")
 _CHECKPOINT_BUCKETS = (0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
+# A snapshot of a small model blocks for milliseconds, a large one's for seconds.
+_BLOCKING_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
+CHECKPOINT_TIERS = ("memory", "durable")
 REASONS = ("start", "join", "leave", "drain", "failure", "job", "layout")
 
 
@@ -57,8 +63,9 @@ class Metrics:
                                           "New generations, by what caused them", ["reason"],
                                           registry=r)
         self.recovery = Histogram("ultra_recovery_duration_seconds",
-                                  "Failure detected to first step of the new generation",
-                                  buckets=_RECOVERY_BUCKETS, registry=r)
+                                  "Failure to first step of the new generation, by phase "
+                                  "(detect, rendezvous, restore, first_step; total: their sum)",
+                                  ["phase"], buckets=_RECOVERY_BUCKETS, registry=r)
         self.is_leader = Gauge("ultra_agent_is_leader", "1 while this agent leads", registry=r)
         self.bubble = Gauge("ultra_pipeline_bubble_ratio", "Pipeline idle fraction (0-1)",
                             ["source"], registry=r)
@@ -83,6 +90,11 @@ class Metrics:
             "ultra_checkpoint_duration_seconds",
             "Checkpoint time: save started to manifest written (reported by global rank 0)",
             ["tier", "op"], buckets=_CHECKPOINT_BUCKETS, registry=r)
+        self.checkpoint_blocking = Histogram(
+            "ultra_checkpoint_blocking_seconds",
+            "Time a checkpoint held the training step loop of this node's first local rank: "
+            "the in-memory snapshot (memory) or a durable checkpoint's staging (durable)",
+            ["tier"], buckets=_BLOCKING_BUCKETS, registry=r)
         self.snapshot_bytes = Gauge("ultra_snapshot_bytes",
                                     "Bytes of in-memory snapshots this node holds (own shards "
                                     "and buddy copies)", registry=r)
@@ -98,8 +110,11 @@ class Metrics:
         for reason in REASONS:
             self.membership_changes.labels(reason=reason)
         self.checkpoint_duration.labels(tier="durable", op="save")
-        for tier in ("memory", "durable"):
+        for tier in CHECKPOINT_TIERS:
             self.checkpoint_duration.labels(tier=tier, op="restore")
+            self.checkpoint_blocking.labels(tier=tier)
+        for phase in RECOVERY_PHASES:
+            self.recovery.labels(phase=phase)
         self.snapshot_age.set(-1)
         self.is_leader.set(0)
         self.observe_job(JobState.NONE, CheckpointRecord())
@@ -145,6 +160,16 @@ class Metrics:
             self.recompute_seconds.inc(report.recompute_seconds)
         if report.HasField("recompute_ratio"):
             self.recompute_ratio.set(report.recompute_ratio)
+        if report.HasField("snapshot_blocking_seconds"):
+            self.checkpoint_blocking.labels(tier="memory").observe(
+                max(0.0, report.snapshot_blocking_seconds))
+        if report.HasField("checkpoint_blocking_seconds"):
+            self.checkpoint_blocking.labels(tier="durable").observe(
+                max(0.0, report.checkpoint_blocking_seconds))
+
+    def observe_recovery(self, recovery: Recovery) -> None:
+        for phase, seconds in recovery.by_phase().items():
+            self.recovery.labels(phase=phase).observe(seconds)
 
     def observe_job(self, state: JobState, checkpoint: CheckpointRecord) -> None:
         """The job's state and newest durable checkpoint, as recorded in etcd."""
@@ -157,7 +182,6 @@ class Metrics:
         if report.HasField("seconds"):
             self.checkpoint_duration.labels(tier="durable", op="save").observe(
                 max(0.0, report.seconds))
-
 
     def observe_restore(self, record: RestoreRecord) -> None:
         """What the generation's rank 0 restored. A fallback to an older durable checkpoint

@@ -16,6 +16,7 @@ A worker's whole contract with its agent (see `proto/ultrascale/v1/agent.proto`)
 
 from __future__ import annotations
 
+import time
 from collections.abc import AsyncIterator
 from typing import Protocol
 
@@ -42,7 +43,7 @@ class WorkerHost(Protocol):
     def on_step(self, report: pb.StepReport) -> None: ...
     def on_heartbeat(self, beat: pb.HeartbeatRequest) -> None: ...
     def on_worker_failure(self, local_rank: int, generation: int, kind: FailureKind, step: int,
-                          message: str) -> None: ...
+                          message: str, detect_s: float = 0.0) -> None: ...
     def on_done(self, report: pb.DoneReport) -> None: ...
     def on_checkpoint(self, report: pb.CheckpointReport) -> None: ...
     def handed(self, local_rank: int, generation: int) -> None: ...
@@ -124,8 +125,11 @@ class WorkerControlService(pb_grpc.WorkerControlServicer):
         except ValueError:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                                 f"kind: expected peer, local, storage or disk (got {request.kind!r})")
+        # Worker and agent share the host's clock: the report's age is how late the agent knew.
+        detect_s = max(0.0, time.time() - request.failed_at) \
+            if request.HasField("failed_at") else 0.0
         self.host.on_worker_failure(request.local_rank, request.generation, kind, request.step,
-                                    request.message)
+                                    request.message, detect_s)
         return pb.FailureReply()
 
     async def ReportDone(self, request: pb.DoneReport,

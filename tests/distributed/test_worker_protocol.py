@@ -90,6 +90,15 @@ def test_requests_take_effect_at_the_first_step_any_rank_saw_them(tmp_path, toke
         assert c.path == str(tmp_path / "out" / "ckpt" / f"step_{c.step:08d}")
         assert c.HasField("seconds") and c.seconds > 0  # exported as a checkpoint duration
     assert _checkpoints(tmp_path) == [2, 3, 5, 7, 8]
+    # A checkpoint's staging blocked the loop: reported with the next step (the stop's at step 3
+    # and the last one at step 8 have none). No snapshot root is set: no snapshot blocked it.
+    for rank in range(WORLD):
+        mine = [r for r in steps if r.global_rank == rank]
+        assert sorted(r.step for r in mine if r.HasField("checkpoint_blocking_seconds")) \
+            == [3, 6, 8]
+        assert all(r.checkpoint_blocking_seconds > 0 for r in mine
+                   if r.HasField("checkpoint_blocking_seconds"))
+        assert not any(r.HasField("snapshot_blocking_seconds") for r in mine)
 
     lines = (tmp_path / "out" / "steps.jsonl").read_text().splitlines()
     assert len(lines) == 8  # one per step: generation 2 continued from the stop checkpoint
@@ -148,6 +157,8 @@ def test_failures_are_reported_with_their_kind_and_never_wait_on_the_agent(tmp_p
         (3, 2, "peer", 1),
     ], tail(tmp_path)
     by_key = {(f.request.generation, f.request.global_rank): f for f in failures}
+    # When each rank saw its failure: the agent's detect phase of a recovery.
+    assert all(f.request.HasField("failed_at") and f.request.failed_at > 0 for f in failures)
     assert by_key[(1, 1)].request.message == "RuntimeError: injected fault at step 2"
     assert "agent unreachable: ReportStep" in by_key[(3, 1)].request.message
     assert "by peer" in by_key[(3, 0)].request.message  # gloo: connection closed or reset

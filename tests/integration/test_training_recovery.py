@@ -3,7 +3,8 @@
 Real etcd, real agents, real persistent workers (gloo). The committed losses in steps.jsonl
 must equal an uninterrupted single-process run within 1e-4 relative (fp32; the summation order
 differs between world sizes) and consumed_samples must be exact at every committed step; each
-survivor's /metrics shows the new world and exactly one recovery.
+survivor's /metrics shows the new world, exactly one recovery split into phases that add up to
+its total, and the time its snapshots and checkpoints blocked the step loop.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from daemon.cli.local import LocalCluster, _call
+from daemon.recovery_phases import PHASES
 from proto.ultrascale.v1 import agent_pb2 as pb
 from tests.conftest import small_job_text
 from tests.distributed.reference import reference_run
@@ -39,13 +41,15 @@ def committed_steps(path: Path) -> dict[int, dict]:
 
 
 def scrape(url: str) -> dict[str, float]:
-    """Unlabelled samples of an agent's /metrics, parsed with prometheus_client's parser."""
+    """Samples of an agent's /metrics, parsed with prometheus_client's parser, keyed by name,
+    or `name{label="value",...}` (labels sorted) for labelled ones."""
     text = urllib.request.urlopen(url, timeout=5).read().decode()
     return {
-        sample.name: sample.value
+        sample.name
+        + ("{" + ",".join(f'{k}="{v}"' for k, v in sorted(sample.labels.items())) + "}"
+           if sample.labels else ""): sample.value
         for family in text_string_to_metric_families(text)
         for sample in family.samples
-        if not sample.labels
     }
 
 
@@ -107,8 +111,19 @@ def test_kill_one_agent_mid_run(cluster: LocalCluster, token_file: Path, tmp_pat
         metrics = scrape(json.loads((cluster.state_dir / node / "agent.json").read_text())["metrics_url"])
         assert metrics["ultra_world_size"] == 2
         assert metrics["ultra_generation"] >= 2
-        assert metrics["ultra_recovery_duration_seconds_count"] == 1, f"{node}: one failure, one recovery"
-        assert 0 < metrics["ultra_recovery_duration_seconds_sum"] < 60
+        recovery = {phase: (metrics[f'ultra_recovery_duration_seconds_count{{phase="{phase}"}}'],
+                            metrics[f'ultra_recovery_duration_seconds_sum{{phase="{phase}"}}'])
+                    for phase in (*PHASES, "total")}
+        assert recovery["total"][0] == 1, f"{node}: one failure, one recovery"
+        assert 0 < recovery["total"][1] < 60
+        for phase, (count, seconds) in recovery.items():
+            assert count == 1 and seconds >= 0, f"{node}: {phase} {recovery}"
+        assert sum(recovery[p][1] for p in PHASES) == pytest.approx(recovery["total"][1],
+                                                                    abs=1e-3), recovery
+        # Snapshots every step, a durable checkpoint every 4: each reported with the next step.
+        for tier in ("memory", "durable"):
+            assert metrics[f'ultra_checkpoint_blocking_seconds_count{{tier="{tier}"}}'] > 0, tier
+            assert metrics[f'ultra_checkpoint_blocking_seconds_sum{{tier="{tier}"}}'] > 0, tier
         assert metrics["ultra_train_steps_total"] >= STEPS
 
     ref_losses, _ = reference_run(tmp_path / "job.toml", STEPS)

@@ -73,7 +73,8 @@ def test_the_dashboards_show_what_each_promises() -> None:
             "ultra_memory_bytes"} <= used["ultrascale-efficiency"]
     assert {"ultra_membership_changes_total", "ultra_recovery_duration_seconds_bucket",
             "ultra_lost_steps_total", "ultra:checkpoint_age_seconds",
-            "ultra_checkpoint_duration_seconds_bucket"} <= used["ultrascale-reliability"]
+            "ultra_checkpoint_duration_seconds_bucket", "ultra_recovery_duration_seconds_sum",
+            "ultra_checkpoint_blocking_seconds_bucket"} <= used["ultrascale-reliability"]
 
 
 def test_every_metric_used_is_exported_by_the_agent_or_recorded_by_a_rule() -> None:

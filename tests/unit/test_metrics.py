@@ -11,6 +11,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from daemon.api.metrics import MEMORY_KINDS, Metrics
 from daemon.control.records import CheckpointRecord, JobState, Progress
+from daemon.recovery_phases import Recovery
 from parallel.job import loads
 from parallel.memory_model import peak_memory
 from parallel.planner import NodeInfo, Plan, Restore, plan_generation
@@ -116,3 +117,38 @@ def test_checkpoint_duration_is_observed_from_rank_zeros_report() -> None:
     samples = _samples(metrics)
     assert samples[("ultra_checkpoint_duration_seconds_count", labels)] == 1
     assert samples[("ultra_checkpoint_duration_seconds_sum", labels)] == 1.5
+
+
+def test_checkpoint_blocking_is_observed_per_tier_from_step_reports() -> None:
+    metrics = Metrics()
+    memory, durable = (("tier", "memory"),), (("tier", "durable"),)
+    count = "ultra_checkpoint_blocking_seconds_count"
+    assert _samples(metrics)[(count, memory)] == _samples(metrics)[(count, durable)] == 0
+    metrics.observe_step(pb.StepReport(generation=1, step=1))  # nothing taken after step 0
+    metrics.observe_step(pb.StepReport(generation=1, step=2, snapshot_blocking_seconds=0.004))
+    metrics.observe_step(pb.StepReport(generation=1, step=3, snapshot_blocking_seconds=0.02,
+                                       checkpoint_blocking_seconds=0.3))
+    samples = _samples(metrics)
+    assert samples[(count, memory)] == 2
+    assert samples[("ultra_checkpoint_blocking_seconds_sum", memory)] == pytest.approx(0.024)
+    assert samples[(count, durable)] == 1
+    assert samples[("ultra_checkpoint_blocking_seconds_sum", durable)] == pytest.approx(0.3)
+    assert samples[("ultra_checkpoint_blocking_seconds_bucket",
+                    (("le", "0.005"), ("tier", "memory")))] == 1
+
+
+def test_a_recovery_is_observed_per_phase_and_in_total() -> None:
+    metrics = Metrics()
+    phases = ("detect", "rendezvous", "restore", "first_step", "total")
+    count = "ultra_recovery_duration_seconds_count"
+    assert {p: _samples(metrics)[(count, (("phase", p),))] for p in phases} \
+        == dict.fromkeys(phases, 0)  # exported before the first recovery
+    metrics.observe_recovery(Recovery(detect=0.1, rendezvous=1.0, restore=0.5, first_step=2.0))
+    samples = _samples(metrics)
+    sums = {p: samples[("ultra_recovery_duration_seconds_sum", (("phase", p),))] for p in phases}
+    assert sums == pytest.approx({"detect": 0.1, "rendezvous": 1.0, "restore": 0.5,
+                                  "first_step": 2.0, "total": 3.6})
+    assert {p: samples[(count, (("phase", p),))] for p in phases} == dict.fromkeys(phases, 1)
+    # UltraRecoverySlow reads the total's le="60.0" bucket.
+    assert samples[("ultra_recovery_duration_seconds_bucket",
+                    (("le", "60.0"), ("phase", "total")))] == 1

@@ -202,7 +202,7 @@ class GenerationPlan(_message.Message):
     def __init__(self, generation: _Optional[int] = ..., plan_json: _Optional[str] = ..., changed: _Optional[bool] = ..., global_rank: _Optional[int] = ..., local_rank: _Optional[int] = ..., world_size: _Optional[int] = ..., store_host: _Optional[str] = ..., store_port: _Optional[int] = ..., exit: _Optional[bool] = ..., store_prefix: _Optional[str] = ...) -> None: ...
 
 class StepReport(_message.Message):
-    __slots__ = ("generation", "global_rank", "step", "loss", "tokens", "consumed_samples", "step_seconds", "world_size", "dp", "memory_params_bytes", "memory_grads_bytes", "memory_optimizer_bytes", "memory_activations_bytes", "memory_peak_bytes", "bubble_ratio", "recompute_seconds", "recompute_ratio", "local_rank")
+    __slots__ = ("generation", "global_rank", "step", "loss", "tokens", "consumed_samples", "step_seconds", "world_size", "dp", "memory_params_bytes", "memory_grads_bytes", "memory_optimizer_bytes", "memory_activations_bytes", "memory_peak_bytes", "bubble_ratio", "recompute_seconds", "recompute_ratio", "local_rank", "snapshot_blocking_seconds", "checkpoint_blocking_seconds")
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     GLOBAL_RANK_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
@@ -221,6 +221,8 @@ class StepReport(_message.Message):
     RECOMPUTE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     RECOMPUTE_RATIO_FIELD_NUMBER: _ClassVar[int]
     LOCAL_RANK_FIELD_NUMBER: _ClassVar[int]
+    SNAPSHOT_BLOCKING_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    CHECKPOINT_BLOCKING_SECONDS_FIELD_NUMBER: _ClassVar[int]
     generation: int
     global_rank: int
     step: int
@@ -239,7 +241,9 @@ class StepReport(_message.Message):
     recompute_seconds: float
     recompute_ratio: float
     local_rank: int
-    def __init__(self, generation: _Optional[int] = ..., global_rank: _Optional[int] = ..., step: _Optional[int] = ..., loss: _Optional[float] = ..., tokens: _Optional[int] = ..., consumed_samples: _Optional[int] = ..., step_seconds: _Optional[float] = ..., world_size: _Optional[int] = ..., dp: _Optional[int] = ..., memory_params_bytes: _Optional[float] = ..., memory_grads_bytes: _Optional[float] = ..., memory_optimizer_bytes: _Optional[float] = ..., memory_activations_bytes: _Optional[float] = ..., memory_peak_bytes: _Optional[float] = ..., bubble_ratio: _Optional[float] = ..., recompute_seconds: _Optional[float] = ..., recompute_ratio: _Optional[float] = ..., local_rank: _Optional[int] = ...) -> None: ...
+    snapshot_blocking_seconds: float
+    checkpoint_blocking_seconds: float
+    def __init__(self, generation: _Optional[int] = ..., global_rank: _Optional[int] = ..., step: _Optional[int] = ..., loss: _Optional[float] = ..., tokens: _Optional[int] = ..., consumed_samples: _Optional[int] = ..., step_seconds: _Optional[float] = ..., world_size: _Optional[int] = ..., dp: _Optional[int] = ..., memory_params_bytes: _Optional[float] = ..., memory_grads_bytes: _Optional[float] = ..., memory_optimizer_bytes: _Optional[float] = ..., memory_activations_bytes: _Optional[float] = ..., memory_peak_bytes: _Optional[float] = ..., bubble_ratio: _Optional[float] = ..., recompute_seconds: _Optional[float] = ..., recompute_ratio: _Optional[float] = ..., local_rank: _Optional[int] = ..., snapshot_blocking_seconds: _Optional[float] = ..., checkpoint_blocking_seconds: _Optional[float] = ...) -> None: ...
 
 class StepReply(_message.Message):
     __slots__ = ("stop_now", "stop", "checkpoint_seq")
@@ -268,20 +272,22 @@ class HeartbeatReply(_message.Message):
     def __init__(self) -> None: ...
 
 class FailureReport(_message.Message):
-    __slots__ = ("generation", "global_rank", "message", "local_rank", "kind", "step")
+    __slots__ = ("generation", "global_rank", "message", "local_rank", "kind", "step", "failed_at")
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     GLOBAL_RANK_FIELD_NUMBER: _ClassVar[int]
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
     LOCAL_RANK_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
+    FAILED_AT_FIELD_NUMBER: _ClassVar[int]
     generation: int
     global_rank: int
     message: str
     local_rank: int
     kind: str
     step: int
-    def __init__(self, generation: _Optional[int] = ..., global_rank: _Optional[int] = ..., message: _Optional[str] = ..., local_rank: _Optional[int] = ..., kind: _Optional[str] = ..., step: _Optional[int] = ...) -> None: ...
+    failed_at: float
+    def __init__(self, generation: _Optional[int] = ..., global_rank: _Optional[int] = ..., message: _Optional[str] = ..., local_rank: _Optional[int] = ..., kind: _Optional[str] = ..., step: _Optional[int] = ..., failed_at: _Optional[float] = ...) -> None: ...
 
 class FailureReply(_message.Message):
     __slots__ = ()
