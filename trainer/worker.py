@@ -26,9 +26,12 @@ snapshots live; unset: none are taken).
 
 from __future__ import annotations
 
+# First, before torch: arms the parent-death signal of a worker started by an agent.
+from trainer.agent_death import die_with_agent
+
+# isort: split
 import ctypes
 import os
-import signal
 import sys
 import time
 from dataclasses import dataclass
@@ -54,7 +57,6 @@ from trainer.shared_storage import check_shared
 from trainer.standby import await_role, is_standby
 from trainer.teardown import freeze_import_heap, leave_world
 
-PR_SET_PDEATHSIG = 1
 PR_SET_NAME = 15
 
 
@@ -75,19 +77,6 @@ class Outcome:
     message: str = ""
     failure_kind: str = ""  # "peer" | "local" when failed
     failed_at: float = 0.0  # Unix time the failure reached this rank's top level
-
-
-def die_with_agent() -> None:
-    """SIGKILL this process when the agent that spawned it dies (Linux PR_SET_PDEATHSIG).
-
-    Armed here rather than in a preexec_fn, which would make the agent fork() (see
-    daemon/node/supervisor.py). If the agent died before this ran, exit now.
-    """
-    agent_pid = int(os.environ.get("ULTRA_AGENT_PID", "0"))
-    if sys.platform.startswith("linux"):
-        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-    if agent_pid and os.getppid() != agent_pid:
-        raise SystemExit("the agent that started this worker is gone")
 
 
 def name_process(name: str) -> None:
@@ -249,7 +238,7 @@ def next_backoff(previous: float | None, fault: FaultConfig) -> float:
 
 
 def main() -> int:
-    die_with_agent()
+    die_with_agent()  # again: also without ULTRA_AGENT_PID (a test's own launcher)
     torch.set_num_threads(int(os.environ.get("ULTRA_WORKER_THREADS", "1")))
     freeze_import_heap()
     if is_standby(os.environ):

@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -55,9 +56,18 @@ class LocalCluster:
     etcd: EtcdServer | None = None
     agents: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
     token_file: Path = Path()
+    # The agents' --snapshot-dir: one of this cluster's own under /dev/shm (made at start,
+    # removed at stop), so that two local clusters on one machine never share snapshots.
+    snapshot_dir: Path | None = None
+    _own_snapshot_dir: bool = False
 
     def start(self, timeout: float = 30.0) -> None:
         self.state_dir.mkdir(parents=True, exist_ok=True)
+        if self.snapshot_dir is None and "--snapshot-dir" not in self.extra_agent_args:
+            shm = Path("/dev/shm")
+            self.snapshot_dir = Path(tempfile.mkdtemp(prefix="ultrascale-local-",
+                                                      dir=shm if shm.is_dir() else None))
+            self._own_snapshot_dir = True
         _, self.token_file = load_or_create_token(None, self.state_dir)
         self.etcd = EtcdServer(self.state_dir / "etcd", host=self.etcd_host).start()
         for i in range(self.nodes):
@@ -77,7 +87,9 @@ class LocalCluster:
                 "--listen", f"{self.node_hosts.get(node, '127.0.0.1')}:0",
                 "--metrics-listen", "127.0.0.1:0",
                 "--state-dir", str(node_dir), "--token-file", str(self.token_file),
-                "--ttl", str(self.ttl), "--job", self.namespace, *self.extra_agent_args]
+                "--ttl", str(self.ttl), "--job", self.namespace,
+                *(["--snapshot-dir", str(self.snapshot_dir)] if self.snapshot_dir else []),
+                *self.extra_agent_args]
         with (node_dir / "ultrad.log").open("ab") as log:
             proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT,
                                     stdin=subprocess.DEVNULL,
@@ -117,6 +129,8 @@ class LocalCluster:
             terminate(proc, timeout=3 * self.ttl)
         if self.etcd is not None:
             self.etcd.stop()
+        if self._own_snapshot_dir and self.snapshot_dir is not None:
+            shutil.rmtree(self.snapshot_dir, ignore_errors=True)
 
 
 def _pythonpath() -> str:

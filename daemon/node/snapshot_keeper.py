@@ -329,7 +329,10 @@ class SnapshotKeeper:
                     if node != self.node and node in self.view.nodes:
                         await self._send_to(node, step, directory,
                                             manifest.file(METADATA_NAME))
-                        blob = (directory / MANIFEST_NAME).read_bytes()
+                        try:
+                            blob = (directory / MANIFEST_NAME).read_bytes()
+                        except FileNotFoundError:
+                            return  # the step was freed meanwhile (a restore, a new job)
                         await self._send_to(node, step, directory,
                                             FileEntry(MANIFEST_NAME, -1, len(blob),
                                                       chunk_checksums(blob)))
