@@ -28,6 +28,7 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteIte
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
+from checkpoint import snapshot_fastpath as fastpath
 from checkpoint.snapshot_format import (
     CHUNK_BYTES,
     MANIFEST_NAME,
@@ -110,6 +111,7 @@ class SnapshotWriter(StorageWriter):
         # later snapshot of the same generation rewrites in place (`rewrite_snapshot`).
         self.template: Template | None = None
         self.coordinator: CoordinatorTemplate | None = None
+        self.resolved: fastpath.ResolvedTemplate | None = None  # set by rewrite_snapshot
 
     def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
         if checkpoint_id is not None:
@@ -267,26 +269,37 @@ def rewrite_snapshot(
     coordinator: CoordinatorTemplate | None,
     *,
     layout: dict[str, Any],
+    resolved: fastpath.ResolvedTemplate | None = None,
 ) -> SnapshotWriter:
     """Snapshot `state` with the layout a full save of the same generation fixed: every item
     rewritten at its offset, no planning and no collective, so the step pays the copy and the
     checksums only. A byte item that outgrew its slot raises ValueError (this rank's shard of
     the step is then missing and the step cannot be assembled; the next full save re-plans).
+
+    With `resolved` (the previous rewrite's `writer.resolved`) and while it is still valid, the
+    items are not looked up again (checkpoint/snapshot_fastpath.py); the writer's `resolved` is
+    what the next rewrite may use (None: no fast path for this state).
     """
     writer = SnapshotWriter(root, step=state.progress.step,
                             consumed_samples=state.progress.consumed_samples, layout=layout)
     writer.rank = template.rank
     started = time.perf_counter()
-    planner = DefaultSavePlanner()
-    planner.set_up_planner({"state": state.state_dict()}, None, coordinator is not None)
+    if resolved is not None and resolved.usable(state):
+        sources = list(resolved.resolve())
+        writer.resolved = resolved
+    else:
+        planner = DefaultSavePlanner()
+        planner.set_up_planner({"state": state.state_dict()}, None, coordinator is not None)
+        sources = [(planner.lookup_object(item.index), True)
+                   if item.type == WriteItemType.BYTE_IO else (planner.resolve_data(item), False)
+                   for item, _, _ in template.items]
+        writer.resolved = fastpath.build(state, planner.state_dict, [
+            (item, data, is_bytes) for (item, _, _), (data, is_bytes)
+            in zip(template.items, sources, strict=True)])
     payloads = []
-    for item, offset, length in template.items:
-        if item.type == WriteItemType.BYTE_IO:
-            data: torch.Tensor | bytes = slot(pickle.dumps(planner.lookup_object(item.index)),
-                                              length)
-        else:
-            data = planner.resolve_data(item)
-        payloads.append(_Payload(item, data, offset, length))
+    for (item, offset, length), (data, is_bytes) in zip(template.items, sources, strict=True):
+        payloads.append(_Payload(item, slot(pickle.dumps(data), length) if is_bytes else data,
+                                 offset, length))
     writer.directory.mkdir(parents=True, exist_ok=True)
     writer._write_shard(payloads, template.size, started)
     if coordinator is not None:

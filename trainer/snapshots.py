@@ -18,6 +18,7 @@ from typing import Any
 import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 
+from checkpoint.snapshot_fastpath import ResolvedTemplate
 from checkpoint.snapshot_format import SnapshotInvalid
 from checkpoint.snapshot_reader import Fetch, load_snapshot
 from checkpoint.snapshot_writer import (
@@ -27,6 +28,9 @@ from checkpoint.snapshot_writer import (
     save_snapshot,
 )
 from checkpoint.state import TrainState
+
+# A rewrite in this many looks every item up again (and rebuilds the fast path).
+_REVALIDATE_EVERY = 100
 
 
 @dataclass(frozen=True)
@@ -70,6 +74,8 @@ class Snapshots:
         self.failures = 0
         self._template: Template | None = None
         self._coordinator: CoordinatorTemplate | None = None
+        self._resolved: ResolvedTemplate | None = None
+        self._rewrites = 0
 
     def due(self, step: int) -> bool:
         return self.every > 0 and step % self.every == 0
@@ -85,8 +91,13 @@ class Snapshots:
                 writer = save_snapshot(state, self.root, layout=self.layout)
                 self._template, self._coordinator = writer.template, writer.coordinator
             else:
-                rewrite_snapshot(state, self.root, self._template, self._coordinator,
-                                 layout=self.layout)
+                # Every so often the full lookup again, which also re-checks the fast path.
+                fresh = self._rewrites % _REVALIDATE_EVERY == 0
+                writer = rewrite_snapshot(state, self.root, self._template, self._coordinator,
+                                          layout=self.layout,
+                                          resolved=None if fresh else self._resolved)
+                self._resolved = writer.resolved
+                self._rewrites += 1
         except (CheckpointException, OSError, ValueError) as exc:
             self.blocking_seconds = time.perf_counter() - started
             self.failures += 1

@@ -36,7 +36,7 @@ from trainer.loop import Trainer
 from trainer.teardown import leave_world
 
 pytestmark = pytest.mark.distributed
-STEP = 2
+STEP = 3
 RESTORE_WORLDS = (4, 3, 2)
 TIMEOUT = timedelta(seconds=120)
 
@@ -78,15 +78,28 @@ def _save_then_restore(rank: int, job: str, root: str, ports: list[int], out: st
     torch.set_num_threads(1)
     _join(rank, 4, ports[0])
     trainer = _trainer(job, 4)
-    for _ in range(STEP - 1):
+    for _ in range(STEP - 2):
         trainer.train_step()
-    # The generation's first snapshot is a full DCP save; the next rewrites it in place.
-    first = save_snapshot(trainer.state, Path(root), layout=trainer.layout.to_dict())
+    layout = trainer.layout.to_dict()
+    # The generation's first snapshot is a full DCP save; the next rewrites it in place, looking
+    # every item up (and finding what the fast path needs); the one after uses the fast path.
+    first = save_snapshot(trainer.state, Path(root), layout=layout)
+    assert first.template is not None and (first.coordinator is not None) == (rank == 0)
+    trainer.train_step()
+    second = rewrite_snapshot(trainer.state, Path(root), first.template, first.coordinator,
+                              layout=layout)
+    assert second.resolved is not None, "no fast path for FSDP2 + AdamW"
     trainer.train_step()
     torch.manual_seed(1000 + trainer.progress.step)  # an RNG state the restore must bring back
-    assert first.template is not None and (first.coordinator is not None) == (rank == 0)
-    rewrite_snapshot(trainer.state, Path(root), first.template, first.coordinator,
-                     layout=trainer.layout.to_dict())
+    third = rewrite_snapshot(trainer.state, Path(root), first.template, first.coordinator,
+                             layout=layout, resolved=second.resolved)
+    assert third.resolved is second.resolved  # it was used, not rebuilt
+    # The same step through the full lookup: byte for byte the same shard.
+    check = Path(root) / "full-lookup"
+    rewrite_snapshot(trainer.state, check, first.template, first.coordinator, layout=layout)
+    shard = shard_name(rank)
+    assert (step_dir(check, STEP) / shard).read_bytes() == \
+        (step_dir(Path(root), STEP) / shard).read_bytes(), f"rank {rank}: fast path differs"
     saved = _full_state(trainer)
     if rank == 0:
         torch.save(saved, Path(out) / "saved.pt")
@@ -108,8 +121,9 @@ def _save_then_restore(rank: int, job: str, root: str, ports: list[int], out: st
 
 @pytest.fixture(scope="module")
 def snapshot(token_file: Path, tmp_path_factory: pytest.TempPathFactory):
-    """Snapshots of steps 1 (a full save) and 2 (rewritten in place, no collective) from 4
-    ranks; step 2 restored on 4, 3 and 2 ranks in the same processes."""
+    """Snapshots of steps 1 (a full save), 2 (rewritten in place, no collective) and 3
+    (rewritten through the fast path) from 4 ranks; step 3 restored on 4, 3 and 2 ranks in the
+    same processes."""
     out = tmp_path_factory.mktemp("snapshot")
     job = out / "job.toml"
     job.write_text(small_job_text(token_file, parallel={"zero": 3}))
@@ -141,10 +155,10 @@ def _assert_same(saved: dict, restored: dict) -> None:
 def test_snapshot_files_and_manifest(snapshot):
     _, root, _ = snapshot
     store = SnapshotStore(root)
-    assert store.steps() == [STEP - 1, STEP]
+    assert store.steps() == [STEP - 2, STEP - 1, STEP]
     manifest = store.manifest(STEP)
-    assert store.manifest(STEP - 1).files == manifest.files  # the layout the full save fixed
-    assert (manifest.step, manifest.consumed_samples, manifest.world_size) == (STEP, 20, 4)
+    assert store.manifest(STEP - 2).files == manifest.files  # the layout the full save fixed
+    assert (manifest.step, manifest.consumed_samples, manifest.world_size) == (STEP, 30, 4)
     assert manifest.layout["dp"] == 4 and manifest.layout["zero"] == 3
     assert [(f.path, f.rank) for f in manifest.files] == [
         *((shard_name(r), r) for r in range(4)),
@@ -177,19 +191,19 @@ def _flip_bit(path: Path, offset: int) -> None:
 DAMAGES: dict[str, tuple[Callable[[Path], None], str]] = {
     "bitflip-shard": (
         lambda d: _flip_bit(d / shard_name(1), (d / shard_name(1)).stat().st_size // 2),
-        r"step 2: file rank_00001.distcp \(rank 1\): checksum mismatch",
+        rf"step {STEP}: file rank_00001.distcp \(rank 1\): checksum mismatch",
     ),
     "bitflip-metadata": (
         lambda d: _flip_bit(d / METADATA_NAME, 40),
-        r"step 2: file \.metadata \(rank 0\): checksum mismatch",
+        rf"step {STEP}: file \.metadata \(rank 0\): checksum mismatch",
     ),
     "truncated-shard": (
         lambda d: os.truncate(d / shard_name(2), (d / shard_name(2)).stat().st_size // 2),
-        r"step 2: file rank_00002.distcp \(rank 2\) is truncated",
+        rf"step {STEP}: file rank_00002.distcp \(rank 2\) is truncated",
     ),
     "missing-shard": (
         lambda d: (d / shard_name(3)).unlink(),
-        r"step 2: file rank_00003.distcp \(rank 3\) is missing",
+        rf"step {STEP}: file rank_00003.distcp \(rank 3\) is missing",
     ),
 }
 
@@ -262,7 +276,7 @@ def test_damaged_snapshots_fail_every_rank_and_load_nothing(snapshot, tmp_path):
         for case in DAMAGES:
             shutil.rmtree(roots[case], ignore_errors=True)
     expected = {case: pattern for case, (_, pattern) in DAMAGES.items()}
-    expected["corrupted-transfer"] = r"step 2: file rank_00000.distcp \(rank 0\): checksum mismatch"
+    expected["corrupted-transfer"] = rf"step {STEP}: file rank_00000.distcp \(rank 0\): checksum mismatch"
     for rank in range(2):
         results = torch.load(tmp_path / f"damaged_{rank}.pt", weights_only=False)
         for case, pattern in expected.items():
