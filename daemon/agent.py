@@ -40,6 +40,7 @@ from daemon.control.requests import put_until_acknowledged
 from daemon.control.store_host import StoreHost
 from daemon.control.view import ClusterView
 from daemon.node.progress import ProgressWriter
+from daemon.node.snapshot_files import check_room
 from daemon.node.snapshot_keeper import SnapshotKeeper
 from daemon.node.supervisor import Supervisor, WorkerExit
 from daemon.node.watchdog import HangDetector, Watchdog
@@ -266,6 +267,10 @@ class Agent(WorkerReports):
             self.metrics.observe_plan(plan, self.view.progress)
             if in_plan:
                 self.state.to(AgentState.RECONFIGURING, f"generation {plan.generation}")
+                if self.snapshots is not None and plan.predicted.snapshot_host_bytes:
+                    predicted = plan.predicted.snapshot_host_bytes
+                    self.metrics.observe_snapshot_room(predicted, check_room(
+                        self.snapshots.root, self.snapshots.bytes_held, predicted))
                 if self.supervisor is not None:
                     await self._ensure_workers(plan)
         if self.supervisor is not None:

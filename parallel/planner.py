@@ -96,6 +96,24 @@ class Predicted:
     memory_bytes: MemoryBytes = field(default_factory=MemoryBytes)
     bubble_ratio: float = 0.0
     recompute_ratio: float = 0.0
+    # Host memory the in-memory snapshots take on the fullest node (0: snapshots off); see
+    # `snapshot_host_bytes`.
+    snapshot_host_bytes: int = 0
+
+
+# Snapshot steps a node holds at once: the two newest complete ones and the one being written.
+SNAPSHOT_STEPS_HELD = 3
+
+
+def snapshot_host_bytes(job: JobConfig, memory: MemoryBytes, ranks_per_node: int) -> int:
+    """Predicted host memory of a node's snapshots (docs/snapshots.md): each rank's shard is its
+    model state and optimizer state (the fullest device's, so an upper bound), the node holds
+    its own ranks' shards and its buddy node's as many, for SNAPSHOT_STEPS_HELD steps. With
+    bf16 the parameters are counted at their training dtype plus the fp32 master copy the
+    optimizer holds, which a snapshot stores once: an overestimate of about 15%."""
+    if job.checkpoint.snapshot_every <= 0:
+        return 0
+    return SNAPSHOT_STEPS_HELD * 2 * ranks_per_node * (memory.params + memory.optimizer)
 
 
 @dataclass(frozen=True)
@@ -154,6 +172,7 @@ class Plan:
                                  "optimizer": m.optimizer, "activations": m.activations},
                 "bubble_ratio": self.predicted.bubble_ratio,
                 "recompute_ratio": self.predicted.recompute_ratio,
+                "snapshot_host_bytes": self.predicted.snapshot_host_bytes,
             },
             "idle": list(self.idle),
             "reason": self.reason,
@@ -181,6 +200,7 @@ class Plan:
                     memory_bytes=MemoryBytes(**pred.get("memory_bytes", {})),
                     bubble_ratio=float(pred.get("bubble_ratio", 0.0)),
                     recompute_ratio=float(pred.get("recompute_ratio", 0.0)),
+                    snapshot_host_bytes=int(pred.get("snapshot_host_bytes", 0)),
                 ),
                 idle=tuple(str(n) for n in raw.get("idle", ())),
                 reason=str(raw.get("reason", "")),
@@ -200,11 +220,13 @@ class Plan:
         return cls.from_dict(raw)
 
 
-def predict(job: JobConfig, layout: Layout) -> Predicted:
-    """The plan's predictions for `layout`: memory of its fullest device, and the bubble."""
+def predict(job: JobConfig, layout: Layout, ranks_per_node: int = 1) -> Predicted:
+    """The plan's predictions for `layout`: memory of its fullest device, the bubble, and the
+    host memory of a node's snapshots."""
     m = peak_memory(job.model, layout, job.train.seq_len)
-    return Predicted(memory_bytes=MemoryBytes(m.params, m.grads, m.optimizer, m.activations),
-                     bubble_ratio=predicted_bubble(layout))
+    memory = MemoryBytes(m.params, m.grads, m.optimizer, m.activations)
+    return Predicted(memory_bytes=memory, bubble_ratio=predicted_bubble(layout),
+                     snapshot_host_bytes=snapshot_host_bytes(job, memory, ranks_per_node))
 
 
 def usable_nodes(nodes: Sequence[NodeInfo]) -> list[NodeInfo]:
@@ -330,7 +352,8 @@ def plan_generation(
         generation=generation, job=job, layout=fit.layout, ranks=tuple(ranks),
         store=StoreAddress(store[0], int(store[1])),
         restore=Restore.from_dict(restore or {}),
-        predicted=predict(job, fit.layout),
+        predicted=predict(job, fit.layout,
+                          max((n.devices for n in usable[: fit.members]), default=1)),
         idle=tuple(n.node for n in usable[fit.members:]), reason=reason,
         layout_reason=fit.note,
     )

@@ -101,6 +101,10 @@ class Metrics:
         self.snapshot_age = Gauge("ultra_snapshot_age_steps",
                                   "Steps since the newest snapshot step this node holds whole "
                                   "(-1: none)", registry=r)
+        self.snapshot_room = Gauge("ultra_snapshot_host_bytes",
+                                   "Host memory for this node's snapshots: the plan's "
+                                   "prediction, and what the snapshot directory has room for",
+                                   ["kind"], registry=r)
         self.build = Info("ultra_build", "Build information", registry=r)
         self.build.info({"version": __version__, "python": platform.python_version()})
         # process_start_time_seconds: how alerts see an agent that keeps restarting.
@@ -195,6 +199,10 @@ class Metrics:
         if tier is not None:
             self.checkpoint_duration.labels(tier=tier, op="restore").observe(
                 max(0.0, record.seconds))
+
+    def observe_snapshot_room(self, predicted: int, available: int) -> None:
+        self.snapshot_room.labels(kind="predicted").set(predicted)
+        self.snapshot_room.labels(kind="available").set(available)
 
     def observe_snapshots(self, held_bytes: int, newest_whole: int, step: int) -> None:
         self.snapshot_bytes.set(held_bytes)

@@ -289,6 +289,9 @@ def _plan_lines(plan: dict[str, Any], explain: bool) -> Iterable[str]:
                f"{m['params'] / 1e9:.3f}, grads {m['grads'] / 1e9:.3f}, optimizer "
                f"{m['optimizer'] / 1e9:.3f}, activations {m['activations'] / 1e9:.3f}); "
                f"bubble {pred['bubble_ratio']:.3f}, recompute {pred['recompute_ratio']:.3f}")
+        if pred.get("snapshot_host_bytes"):
+            yield (f"snapshots: {pred['snapshot_host_bytes'] / 1e9:.3f} GB of host memory per "
+                   "node (its shards and its buddy's, 3 steps)")
     if "search" in plan:
         yield from whatif.render(plan["search"], explain)
 

@@ -18,6 +18,7 @@ from parallel.job import JobConfig
 from parallel.layout import Layout
 from parallel.layout_search import SEARCH_DIMS, Candidate, SearchSpace, World, search_layout
 from parallel.memory_model import MemoryBreakdown, peak_memory
+from parallel.planner import MemoryBytes, snapshot_host_bytes
 
 DEFAULT_MEMORY = 80 * 10**9  # bytes per device when the operator does not say (an 80 GB GPU)
 _UNITS = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12,
@@ -79,9 +80,12 @@ def predict(job: JobConfig, layout: Layout, devices_per_node: int) -> dict[str, 
     """The model's numbers for one layout: peak memory per device and the step's costs."""
     cost = step_cost(job.model, layout, job.train.seq_len, job.train.global_batch,
                      devices_per_node)
-    return {"memory_bytes": _memory(peak_memory(job.model, layout, job.train.seq_len)),
+    m = peak_memory(job.model, layout, job.train.seq_len)
+    snapshots = snapshot_host_bytes(job, MemoryBytes(m.params, m.grads, m.optimizer,
+                                                     m.activations), devices_per_node)
+    return {"memory_bytes": _memory(m),
             "bubble_ratio": cost.bubble_ratio, "recompute_ratio": cost.recompute_ratio,
-            "score": cost.efficiency}
+            "score": cost.efficiency, "snapshot_host_bytes": snapshots}
 
 
 def _candidate(c: Candidate) -> dict[str, Any]:

@@ -3,12 +3,15 @@ one in pieces, and small stat helpers (daemon/node/snapshot_keeper.py)."""
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
 
 from checkpoint.snapshot_format import MANIFEST_NAME, SnapshotInvalid, SnapshotManifest
+
+log = logging.getLogger(__name__)
 
 PIECE_BYTES = 1 << 20  # one gRPC message of file data (gRPC's default limit is 4 MiB)
 
@@ -58,3 +61,24 @@ def size_of(path: Path) -> int:
     except FileNotFoundError:
         return -1
 
+
+def free_bytes(path: Path) -> int:
+    """Free bytes of the filesystem holding `path` (its nearest existing ancestor)."""
+    for candidate in (path, *path.parents):
+        try:
+            st = os.statvfs(candidate)
+        except OSError:
+            continue
+        return st.f_bavail * st.f_frsize
+    return 0
+
+
+def check_room(root: Path, held: int, predicted: int) -> int:
+    """Bytes `root` can hold for snapshots (free now plus the `held` bytes already there);
+    warns when that is less than a plan's `predicted` host memory of a node's snapshots."""
+    available = free_bytes(root) + held
+    if predicted > available:
+        log.warning("snapshots need about %.1f MB on this node (its shards and its buddy's, "
+                    "3 steps) but %s has room for %.1f MB: snapshots will fail, and restores "
+                    "fall back to the durable checkpoint", predicted / 1e6, root, available / 1e6)
+    return available

@@ -165,3 +165,16 @@ def test_replan_names_only_known_dimensions() -> None:
         _job('parallel.replan=["dp"]')
     with pytest.raises(jobmod.ConfigError, match="parallel.replan must be a list"):
         _job('parallel.replan="pp"')
+
+
+def test_snapshot_host_memory_is_predicted_per_node() -> None:
+    """Own shards and the buddy's, for three steps, on the node with the most ranks; nothing
+    when snapshots are off; carried through the plan's JSON."""
+    nodes = [NodeInfo("a", 1), NodeInfo("b", 2)]
+    plan = plan_generation(_job(), nodes, 1, ("h", 1))
+    m = plan.predicted.memory_bytes
+    assert m.params > 0 and m.optimizer > 0
+    assert plan.predicted.snapshot_host_bytes == 3 * 2 * 2 * (m.params + m.optimizer)
+    assert Plan.from_json(plan.to_json()).predicted == plan.predicted
+    off = plan_generation(_job("checkpoint.snapshot_every=0"), nodes, 1, ("h", 1))
+    assert off.predicted.snapshot_host_bytes == 0

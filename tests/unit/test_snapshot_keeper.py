@@ -141,3 +141,16 @@ def test_steps_without_manifests_are_bounded_too(root):
         make_step(root, step, [64], manifest=False)  # the coordinator's node is unreachable
     keeper(root)._prune()
     assert sorted(p.name for p in root.iterdir()) == [f"step_{s:08d}" for s in (4, 5, 6, 7)]
+
+
+def test_a_node_without_room_for_the_predicted_snapshots_says_so(tmp_path, caplog) -> None:
+    from daemon.node.snapshot_files import check_room, free_bytes
+
+    root = tmp_path / "not-yet" / "node-0"  # measured on its nearest existing parent
+    free = free_bytes(root)
+    assert free > 0
+    with caplog.at_level("WARNING", logger="daemon.node.snapshot_files"):
+        assert check_room(root, 1000, 1000) == free + 1000  # what is held counts as room
+        assert not caplog.records
+        check_room(root, 0, free * 2)
+    assert "snapshots need about" in caplog.text and "restores fall back" in caplog.text
