@@ -168,16 +168,11 @@ class CheckpointManager:
             if choice[0] is None:
                 return None
             path, manifest = choice[0]
-            reader = self.last_reader = VerifyingReader(path, manifest, group=self.group)
-            try:
-                dcp.load({"state": state}, storage_reader=reader, process_group=self.group)
-            except CheckpointException:
-                if reader.invalid is None:
-                    raise
-                if self.rank == 0:
-                    self.log(f"checkpoint {path.name} is invalid ({reader.invalid}); trying an older one")
-                continue
-            return path
+            failed = self._load_verified(state, path, manifest)
+            if failed is None:
+                return path
+            if self.rank == 0:
+                self.log(f"checkpoint {path.name} is invalid ({failed.invalid}); trying an older one")
 
     def load_step(self, state: TrainState, step: int) -> tuple[str, tuple[int, ...]]:
         """Load the checkpoint of exactly `step` into `state`, with no fallback to another one:
@@ -206,14 +201,21 @@ class CheckpointManager:
         dist.all_gather_object(problems, problem, group=self.group)
         if any(problems):
             return next(p for p in problems if p), tuple(r for r, p in enumerate(problems) if p)
+        failed = self._load_verified(state, path, manifest)
+        return ("", ()) if failed is None else (str(failed.invalid), failed.invalid_ranks)
+
+    def _load_verified(self, state: TrainState, path: Path, manifest: Manifest
+                       ) -> VerifyingReader | None:
+        """`dcp.load` through a VerifyingReader: None once loaded, the reader (with why) when it
+        found the checkpoint invalid, on every rank alike; any other failure raises."""
         reader = self.last_reader = VerifyingReader(path, manifest, group=self.group)
         try:
             dcp.load({"state": state}, storage_reader=reader, process_group=self.group)
         except CheckpointException:
             if reader.invalid is None:
                 raise
-            return str(reader.invalid), reader.invalid_ranks
-        return "", ()
+            return reader
+        return None
 
     def _next_candidate(self, candidates: Iterator[tuple[int, Path]]) -> tuple[Path, Manifest] | None:
         for _, path in candidates:
