@@ -33,8 +33,7 @@ from torch.distributed.tensor import DTensor
 
 from checkpoint.state import TrainState
 
-_STATE = "state."            # dcp.save({"state": TrainState}) prefixes every key
-_MODEL = "state.model."
+_MODEL = "state.model."  # dcp.save({"state": TrainState}) prefixes every key with "state."
 _PARAM_GROUPS = "state.optim.param_groups."
 _RNG = "state.rng"
 _PROGRESS = {"state.progress.step": lambda s: s.progress.step,
