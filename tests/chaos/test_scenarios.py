@@ -55,11 +55,17 @@ def test_kill_non_leader_agent(chaos) -> None:
 
 
 def test_kill_one_worker(chaos) -> None:
-    run = chaos()
+    # The victim's standby starts once the job trains and imports torch while three ranks
+    # train on two cores (up to ~13 s measured): enough steps that the job is still running
+    # when it is ready.
+    run = chaos(steps=150)
     run.submit()
     run.wait_step(TRIGGER)
     victim = _victim(run)
     standby = run.wait_standby(victim)
+    if run.step() > run.steps - 10:
+        raise ChaosError(f"step {run.step()} of {run.steps} when {victim}'s standby was ready: "
+                         "too late for the fault; give the scenario more steps")
     (pid,) = run.worker_pids(victim)
     with run.fault(f"SIGKILL worker of {victim} (agent alive)"):
         os.kill(pid, signal.SIGKILL)
