@@ -19,6 +19,7 @@ from torch.distributed.tensor import DTensor
 
 from checkpoint.state import Progress, TrainState
 from ops.loss import count_tokens, cross_entropy_sum
+from parallel import grad_norm
 from parallel.exact_sum import exact_slot_sum, exact_squared_norm
 from parallel.job import JobConfig, TrainConfig
 from parallel.layout import Layout, predicted_bubble
@@ -33,6 +34,7 @@ from parallel.zero import ShardedAdamW
 from trainer.data import SampleStream, open_stream, step_micro_batches
 from trainer.memory_meter import MeasuredMemory
 from trainer.model import Llama, build_model, init_weights
+from trainer.shard_local_adamw import ShardLocalAdamW
 
 
 @dataclass(frozen=True)
@@ -72,7 +74,8 @@ def learning_rate(t: TrainConfig, step: int) -> float:
 def build_optimizer(
     model: torch.nn.Module, t: TrainConfig, zero1_dp_mesh: DeviceMesh | None = None
 ) -> torch.optim.Optimizer:
-    """AdamW; with `zero1_dp_mesh`, ZeRO-1's AdamW whose state is sharded over that dp mesh."""
+    """AdamW, updating DTensors through their local shards (trainer/shard_local_adamw.py); with
+    `zero1_dp_mesh`, ZeRO-1's AdamW whose state is sharded over that dp mesh."""
     # Decay matrices only; norms (1-D) keep their scale. DTensor.ndim is the global ndim.
     decay = [p for p in model.parameters() if p.ndim >= 2]
     no_decay = [p for p in model.parameters() if p.ndim < 2]
@@ -89,7 +92,12 @@ def build_optimizer(
             eps=t.eps,
             weight_decay=t.weight_decay,
         )
-    return torch.optim.AdamW(groups, lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps)
+    return ShardLocalAdamW(groups, lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps)
+
+
+def _total_norm(grads: list[torch.Tensor]) -> torch.Tensor:
+    norm = torch.nn.utils.get_total_norm(grads)
+    return norm.full_tensor() if isinstance(norm, DTensor) else norm
 
 
 class Trainer:
@@ -309,19 +317,18 @@ class Trainer:
             if isinstance(self.optimizer, ShardedAdamW):
                 # ZeRO-1: clip the reduce-scattered gradient slices the optimizer will apply.
                 grads = self.optimizer.reduce_gradients()
+                norm = _total_norm(grads)
             else:
                 grads = [p.grad for p in self.model.parameters() if p.grad is not None]
-            norm = torch.nn.utils.get_total_norm(grads)
-            if isinstance(norm, DTensor):
-                norm = norm.full_tensor()
+                squared = grad_norm.squared_norm(grads)  # no DTensor op: fast in a new world
+                norm = squared.sqrt() if squared is not None else _total_norm(grads)
             if self.pp_group is not None:
                 squared_norm = norm**2
                 dist.all_reduce(squared_norm, group=self.pp_group)
                 norm = squared_norm.sqrt()
         # As clip_grads_with_norm_, on gradients that need not be attached to parameters.
         coef = torch.clamp((max_norm if max_norm > 0 else math.inf) / (norm + 1e-6), max=1.0)
-        for g in grads:
-            g.mul_(coef)
+        grad_norm.scale_(grads, coef)
         return float(norm.item())
 
     def full_state(self) -> dict[str, torch.Tensor]:
