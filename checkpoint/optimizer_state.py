@@ -22,15 +22,16 @@ def prime_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
     if optimizer.state:
         return
     init_state = getattr(optimizer, "init_state", None)
-    if callable(init_state):  # parallel.zero.ShardedAdamW
+    if callable(init_state):  # parallel.zero.ShardedAdamW, trainer.shard_local_adamw
         init_state()
     elif type(optimizer) in (torch.optim.AdamW, torch.optim.Adam) and not any(
             g.get("fused") or g.get("capturable") or g.get("differentiable")
             for g in optimizer.param_groups):
-        _prime_adam(optimizer)
+        prime_adam_state(optimizer)
 
 
-def _prime_adam(optimizer: torch.optim.Optimizer) -> None:
+def prime_adam_state(optimizer: torch.optim.Optimizer) -> None:
+    """Adam(W)'s state, zeroed, for every trainable parameter."""
     # As torch.optim.Adam(W)._init_group does on a first step (neither fused nor capturable).
     step_dtype = torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
     for group in optimizer.param_groups:

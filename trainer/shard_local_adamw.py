@@ -24,6 +24,8 @@ from torch.distributed.tensor.placement_types import Partial
 from torch.optim.adam import adam
 from torch.optim.optimizer import _default_to_fused_or_foreach
 
+from checkpoint.optimizer_state import prime_adam_state
+
 
 def _same_layout(param: torch.Tensor, *others: torch.Tensor) -> bool:
     """Whether `param` and `others` are DTensors sharded alike with no pending reduction."""
@@ -40,6 +42,10 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 
 class ShardLocalAdamW(torch.optim.AdamW):
+    def init_state(self) -> None:
+        """Create AdamW's state, zeroed, before a load (checkpoint.optimizer_state)."""
+        prime_adam_state(self)
+
     @torch.no_grad()
     def step(self, closure: Any = None) -> Any:  # type: ignore[override]
         loss = None

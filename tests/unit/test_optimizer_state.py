@@ -8,6 +8,7 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import _init_optim_state
 
 from checkpoint.optimizer_state import prime_optimizer_state
+from trainer.shard_local_adamw import ShardLocalAdamW
 
 pytestmark = pytest.mark.unit
 
@@ -32,7 +33,8 @@ def _described(optimizer: torch.optim.Optimizer) -> list[tuple[str, str, tuple[i
 
 @pytest.mark.parametrize("cls,kwargs", [(torch.optim.AdamW, {"weight_decay": 0.1}),
                                         (torch.optim.AdamW, {"amsgrad": True}),
-                                        (torch.optim.Adam, {})])
+                                        (torch.optim.Adam, {}),
+                                        (ShardLocalAdamW, {"weight_decay": 0.1})])
 def test_primed_state_equals_dcps_zero_step(cls, kwargs):
     by_dcp, primed = _model(), _model()
     opt_dcp = cls(by_dcp.parameters(), lr=0.1, **kwargs)
