@@ -16,9 +16,18 @@ _PR_SET_PDEATHSIG = 1
 
 def free_port(host: str = "127.0.0.1") -> int:
     """A port that was free a moment ago (the kernel's choice, so parallel runs don't collide)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
+    return free_ports(1, host)[0]
+
+
+def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
+    """`n` distinct ports that were free a moment ago. They are bound together: two calls of
+    `free_port` in a row can return the same port, since the first socket is closed by then."""
+    with contextlib.ExitStack() as stack:
+        sockets = [stack.enter_context(socket.socket(socket.AF_INET, socket.SOCK_STREAM))
+                   for _ in range(n)]
+        for s in sockets:
+            s.bind((host, 0))
+        return [int(s.getsockname()[1]) for s in sockets]
 
 
 def die_with_parent(sig: int = signal.SIGKILL) -> Callable[[], None] | None:

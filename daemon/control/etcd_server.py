@@ -16,7 +16,7 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from daemon.procutil import die_with_parent, free_port, terminate
+from daemon.procutil import die_with_parent, free_ports, terminate
 
 
 class EtcdStartError(RuntimeError):
@@ -71,12 +71,19 @@ class EtcdServer:
     def log_path(self) -> Path:
         return self.data_dir.with_name(self.data_dir.name + ".log")
 
+    def choose_ports(self) -> None:
+        """Give each port not set one that is free. They are chosen together, so they differ
+        (etcd cannot listen twice on one port; two `free_port` calls in a row can return the
+        same one), and never equal a port already set."""
+        fresh = [p for p in free_ports(3, self.host) if p not in (self.client_port, self.peer_port)]
+        self.client_port = self.client_port or fresh.pop(0)
+        self.peer_port = self.peer_port or fresh.pop(0)
+
     def start(self, timeout: float = 15.0) -> EtcdServer:
         if self.proc is not None and self.proc.poll() is None:
             raise EtcdStartError("etcd is already running")
         self.data_dir.mkdir(parents=True, exist_ok=True)
-        self.client_port = self.client_port or free_port(self.host)
-        self.peer_port = self.peer_port or free_port(self.host)
+        self.choose_ports()
         peer = f"http://{self.host}:{self.peer_port}"
         args = [
             str(etcd_binary()),

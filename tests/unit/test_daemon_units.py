@@ -12,9 +12,11 @@ import pytest
 from daemon.api.auth import AuthError, check_listen, load_or_create_token
 from daemon.cli.ctlconfig import Context, ContextError, load_context, save_context
 from daemon.cli.ultrad import UsageError, _parser, build_config, resolve_options
+from daemon.control.etcd_server import EtcdServer
 from daemon.control.keys import Keys
 from daemon.control.records import NodeRecord
 from daemon.node.supervisor import Supervisor, WorkerExit
+from daemon.procutil import free_ports
 from daemon.state import AgentState, StateMachine
 
 pytestmark = pytest.mark.unit
@@ -207,3 +209,23 @@ def test_standby_worker_takes_a_dead_workers_rank(tmp_path: Path) -> None:
         assert [e.local_rank for e in exits] == [0, 0]  # the standby's end is no rank's exit
 
     asyncio.run(scenario())
+
+
+def test_free_ports_are_distinct() -> None:
+    # Closed one by one, the kernel can hand the same port out twice in a row (it did: etcd's
+    # client and peer port once came out equal and etcd could not start).
+    for _ in range(50):
+        ports = free_ports(3)
+        assert len(set(ports)) == 3 and all(ports)
+
+
+def test_etcd_ports_differ_and_keep_what_is_set(tmp_path: Path) -> None:
+    for _ in range(50):
+        server = EtcdServer(tmp_path)
+        server.choose_ports()
+        assert server.client_port and server.peer_port and server.client_port != server.peer_port
+    preset = free_ports(1)[0]
+    for _ in range(20):
+        server = EtcdServer(tmp_path, client_port=preset)
+        server.choose_ports()
+        assert server.client_port == preset and server.peer_port not in (0, preset)
