@@ -10,8 +10,9 @@ recovery benchmark's job, and each warm step still pays the dispatch.
 `ShardLocalAdamW` hands torch's own AdamW implementation the local shards instead, so the same
 ops run on the same local data: the result is bit-identical to `torch.optim.AdamW` on the
 DTensors (tests/distributed/test_shard_local_adamw.py). Parameters it cannot do that for (a
-gradient placed differently from its parameter, e.g. Partial) keep DTensor's path, as does a
-group asking for the fused or differentiable implementation. The state dict is AdamW's.
+gradient placed differently from its parameter, e.g. Partial) keep DTensor's path; a group
+asking for the fused, capturable or differentiable implementation is refused at its first step
+(ValueError). The state dict is AdamW's.
 """
 
 from __future__ import annotations
