@@ -10,6 +10,7 @@ only needs the right keys, shapes, dtypes and placements, which `zeros_like` giv
 from __future__ import annotations
 
 import torch
+from torch.distributed.tensor import DTensor, Partial
 
 
 @torch.no_grad()
@@ -39,8 +40,17 @@ def prime_adam_state(optimizer: torch.optim.Optimizer) -> None:
             if not p.requires_grad:
                 continue
             state = {"step": torch.tensor(0.0, dtype=step_dtype),
-                     "exp_avg": torch.zeros_like(p, memory_format=torch.preserve_format),
-                     "exp_avg_sq": torch.zeros_like(p, memory_format=torch.preserve_format)}
+                     "exp_avg": zeros_like(p), "exp_avg_sq": zeros_like(p)}
             if group["amsgrad"]:
-                state["max_exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                state["max_exp_avg_sq"] = zeros_like(p)
             optimizer.state[p] = state
+
+
+def zeros_like(t: torch.Tensor) -> torch.Tensor:
+    """`torch.zeros_like(t)`; for a DTensor, built from zeroed local shards, which skips
+    DTensor's sharding propagation (uncached in a freshly formed world, a few ms per shape)."""
+    if not isinstance(t, DTensor) or any(isinstance(p, Partial) for p in t.placements):
+        return torch.zeros_like(t, memory_format=torch.preserve_format)
+    local = torch.zeros_like(t._local_tensor, memory_format=torch.preserve_format)
+    return DTensor.from_local(local, t.device_mesh, t.placements, run_check=False,
+                              shape=t.shape, stride=t.stride())

@@ -138,6 +138,25 @@ def record_rank(file: str) -> int | None:
     return int(match.group(1)) if match else None
 
 
+def read_held(root: Path, step: int, file: str, offset: int, length: int) -> bytes | None:
+    """Raw bytes [offset, offset + length) (length < 0: to the end) of `file` of snapshot
+    `step` under `root`; None when it is not there. Unverified: readers check what they use.
+    Raises SnapshotInvalid for a name that is not a snapshot file's."""
+    if shard_rank(file) is None and record_rank(file) is None \
+            and file not in (METADATA_NAME, MANIFEST_NAME):
+        raise SnapshotInvalid(f"snapshot step {step}: {file!r} is not a snapshot file name")
+    try:
+        fd = os.open(step_dir(root, step) / file, os.O_RDONLY)
+    except FileNotFoundError:
+        return None
+    try:
+        if length < 0:
+            length = max(0, os.fstat(fd).st_size - offset)
+        return os.pread(fd, length, offset)
+    finally:
+        os.close(fd)
+
+
 def parse_record(data: bytes, step: int, entry: FileEntry, where: str) -> FileEntry:
     """A rank's record of its shard, checked against the manifest's entry for it."""
     try:

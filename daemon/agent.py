@@ -97,7 +97,7 @@ class Agent(WorkerReports):
         await self.io.start(self)
         self.leader = Leader(self.etcd, self.keys, self.view, self.election,
                              StoreHost(self.io.advertised_host), cfg.ttl, cfg.debounce_s,
-                             self.io.probe)
+                             self.io.probe, self.io.snapshot_holdings)
         if cfg.workers:
             self.supervisor = Supervisor(self.node_id, self.io.socket_path,
                                          cfg.state_dir / "logs", self._on_worker_exit,
@@ -284,12 +284,15 @@ class Agent(WorkerReports):
                           if plan is not None else "no generation yet")
 
     async def _standby(self, plan: Plan | None) -> None:
-        """Keep a standby worker while this node trains in a job that goes on; start it once
-        the generation trains (not while its workers start, restore and import torch, nor
-        while a failure is being recovered from)."""
+        """Keep a standby worker while this node trains in a job that goes on and the agent
+        is neither stopping nor draining; start it once the generation trains (not while its
+        workers start, restore and import torch, nor while a failure is being recovered
+        from)."""
         assert self.supervisor is not None
-        progress = self.view.progress
-        if plan is None or self._job_over():
+        progress, member = self.view.progress, self.membership
+        leaving = self.stopping.is_set() or (member is not None
+                                             and member.record.state == NodeState.DRAINING)
+        if plan is None or leaving or self._job_over():
             await self.supervisor.drop_standby()
         elif progress.generation == plan.generation and progress.step > plan.restore.step \
                 and self.broken_generation < plan.generation:

@@ -42,6 +42,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 
+from checkpoint.snapshot_reader import local_first_fetch
 from checkpoint.snapshot_store import SnapshotStore
 from parallel.job import FaultConfig, process_group_timeout
 from parallel.mesh import build_mesh
@@ -141,7 +142,9 @@ class Generation:
             snapshot_root=snapshot_root,
             node=node,
         )
-        fetch = self.link.snapshot_fetch(plan.restore.step) if snapshot_root else None
+        fetch = local_first_fetch(snapshot_root, plan.restore.step,
+                                  self.link.snapshot_fetch(plan.restore.step)) \
+            if snapshot_root else None
         restored = driver.restore_planned(plan.restore, fetch)
         self.step = driver.step
         self.link.report_restore(gp, restored)

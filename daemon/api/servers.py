@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import os
 import tempfile
 from collections.abc import AsyncIterator
@@ -29,12 +30,14 @@ from daemon.api.probes import agent_probes, start_probe_server
 from daemon.api.snapshot_service import SnapshotPeerService
 from daemon.config import AgentConfig
 from daemon.control.etcd_client import parse_endpoints
+from daemon.control.records import SnapshotHoldings
 from daemon.node.snapshot_files import Incoming
 from daemon.node.worker_service import WorkerControlService
 from daemon.tls_files import client_credentials
 from proto.ultrascale.v1 import agent_pb2 as pb
 from proto.ultrascale.v1 import agent_pb2_grpc as pb_grpc
 
+log = logging.getLogger(__name__)
 ETCD_HEALTH = "etcd"
 _SERVING = health_pb2.HealthCheckResponse.SERVING
 _NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
@@ -191,6 +194,22 @@ class AgentIO:
         async for piece in stub.ReadRange(request, metadata=self._peer_metadata(),
                                           timeout=max(10.0, self.config.ttl * 4)):
             yield piece.data
+
+    async def snapshot_holdings(self, address: str) -> SnapshotHoldings | None:
+        """What the agent at `address` holds of snapshots now (SnapshotPeer.Holdings); None
+        when it does not answer in time or keeps none."""
+        stub = pb_grpc.SnapshotPeerStub(self._peer(address))
+        try:
+            reply = await stub.Holdings(pb.HoldingsRequest(), metadata=self._peer_metadata(),
+                                        timeout=max(0.25, self.config.ttl / 4))
+            return SnapshotHoldings.from_json(reply.holdings_json)
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() != grpc.StatusCode.UNIMPLEMENTED:  # an agent that runs no workers
+                log.info("no snapshot holdings from %s: %s", address, exc.code().name)
+            return None
+        except (ValueError, TypeError) as exc:
+            log.warning("unreadable snapshot holdings from %s: %s", address, str(exc)[:200])
+            return None
 
     async def etcd_health(self, address: str) -> bool | None:
         """Does the agent at `address` reach etcd? None when it does not answer."""

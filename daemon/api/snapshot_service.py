@@ -1,7 +1,8 @@
 """Agent-to-agent snapshot replication and reads: the SnapshotPeer service (docs/snapshots.md).
 
 A peer streams a file of a snapshot step to its buddy (`PutFile`: a header, then the data in
-pieces of at most 1 MiB) and reads byte ranges of files another agent holds (`ReadRange`).
+pieces of at most 1 MiB), reads byte ranges of files another agent holds (`ReadRange`), and
+the leader asks what each holds (`Holdings`).
 Calls carry the job's peer secret (`authorization: Bearer <secret>`, auth.py), which every
 agent reads from etcd: admin tokens stay per node.
 """
@@ -63,3 +64,7 @@ class SnapshotPeerService(pb_grpc.SnapshotPeerServicer):
             yield pb.SnapshotBytes(data=data[start:start + PIECE_BYTES])
         if not data:
             yield pb.SnapshotBytes(data=b"")
+
+    async def Holdings(self, request: pb.HoldingsRequest,
+                       context: grpc.aio.ServicerContext) -> pb.HoldingsReply:
+        return pb.HoldingsReply(holdings_json=self.keeper.holdings().to_json().decode())

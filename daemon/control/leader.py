@@ -22,7 +22,7 @@ from daemon.control.decide import decide
 from daemon.control.election import Election, FencedConflict, NotLeader
 from daemon.control.etcd_client import ETCD_ERRORS, Etcd
 from daemon.control.keys import Keys
-from daemon.control.records import ControlOp
+from daemon.control.records import ControlOp, SnapshotHoldings
 from daemon.control.snapshot import (
     Action,
     ConsumeRequests,
@@ -44,6 +44,8 @@ from parallel.planner import Plan, StoreAddress
 log = logging.getLogger(__name__)
 
 Probe = Callable[[str], Awaitable[bool]]
+# What the agent at an address holds of snapshots now (None: no answer, or it keeps none).
+AskHoldings = Callable[[str], Awaitable[SnapshotHoldings | None]]
 _WAKE_ON = {"nodes", "spec", "control", "generation", "leader", "progress", "checkpoint",
             "cordons", "directive", "status", "connection"}
 
@@ -61,7 +63,8 @@ def job_from_view(view: ClusterView) -> jobmod.JobConfig | None:
 
 class Leader:
     def __init__(self, etcd: Etcd, keys: Keys, view: ClusterView, election: Election,
-                 store: StoreHost, ttl: float, debounce_s: float, probe: Probe) -> None:
+                 store: StoreHost, ttl: float, debounce_s: float, probe: Probe,
+                 ask_holdings: AskHoldings | None = None) -> None:
         self.etcd = etcd
         self.keys = keys
         self.view = view
@@ -70,6 +73,7 @@ class Leader:
         self.ttl = ttl
         self.debounce_s = debounce_s
         self.probe = probe
+        self.ask_holdings = ask_holdings
         self._wake = asyncio.Event()
         self._missing_since: dict[str, float] = {}
         self._probes: dict[str, ProbeResult] = {}
@@ -126,6 +130,11 @@ class Leader:
                                 "as it is", self._written, self.ttl)
                     self._written = 0
                 decision = decide(self.snapshot())
+                if self.ask_holdings is not None and any(
+                        isinstance(a, StartGeneration) for a in decision.actions):
+                    # Agents publish their holdings at most twice a second: the restore is
+                    # planned on what every member holds now.
+                    decision = decide(self.snapshot(await self._holdings_now()))
                 wake_at = decision.wake_at
                 for action in decision.actions:
                     await self._perform(action)
@@ -190,7 +199,18 @@ class Leader:
     def request_reconcile(self) -> None:
         self._wake.set()
 
-    def snapshot(self) -> Snapshot:
+    async def _holdings_now(self) -> dict[str, SnapshotHoldings]:
+        """Every member's snapshot holdings, asked now; the published record of one that does
+        not answer."""
+        assert self.ask_holdings is not None
+        members = sorted(self.view.nodes.items())
+        answers = await asyncio.gather(*(self.ask_holdings(m.record.address) for _, m in members))
+        held = dict(self.view.snapshots)
+        held.update((name, h) for (name, _), h in zip(members, answers, strict=True)
+                    if h is not None)
+        return held
+
+    def snapshot(self, holdings: dict[str, SnapshotHoldings] | None = None) -> Snapshot:
         view, now = self.view, time.time()
         plan = view.plan
         members = {name: MemberInfo(m.record.devices, m.record.state, m.record.device_memory)
@@ -209,7 +229,8 @@ class Leader:
             cordons=dict(view.cordons), plan=plan, progress=view.progress,
             checkpoint=view.checkpoint, directive=view.directive, status=view.status,
             control=dict(view.control), missing_since=dict(self._missing_since),
-            probes=dict(self._probes), holdings=dict(view.snapshots))
+            probes=dict(self._probes),
+            holdings=dict(view.snapshots) if holdings is None else holdings)
 
     # -- effects -------------------------------------------------------------------------------
 

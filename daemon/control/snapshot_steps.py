@@ -9,7 +9,7 @@ Pure functions of `snapshots/<node>` records (daemon/control/records.py), unit-t
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Container, Iterable, Mapping
 
 from daemon.control.records import HeldStep, SnapshotHoldings
 
@@ -59,3 +59,23 @@ def newest_complete(holdings: Mapping[str, SnapshotHoldings]) -> int:
         if min(copies.values(), default=0) >= 2:
             return step
     return -1
+
+
+def peers_holding(holdings: Mapping[str, SnapshotHoldings], step: int, rank: int | None,
+                  planned: tuple[str, ...] = ()) -> list[str]:
+    """Nodes to read rank `rank`'s shard (None: the manifest and metadata) of `step` from, most
+    likely first: those whose holdings list it (sorted), then the `planned` ones not listed."""
+    listed = [node for node, h in sorted(holdings.items())
+              if any(held.step == step and (rank in held.ranks if rank is not None
+                                            else held.metadata) for held in h.steps)]
+    return listed + [node for node in planned if node not in listed]
+
+
+def buddy_of(node: str, generation: Iterable[str], live: Container[str]) -> str | None:
+    """Where `node` replicates its shards: the next node of the generation, in name order, that
+    is alive (a ring: every node is some node's buddy); None when there is none."""
+    ring = sorted(set(generation))
+    if node not in ring:
+        return None
+    i = ring.index(node)
+    return next((other for other in ring[i + 1:] + ring[:i] if other in live), None)

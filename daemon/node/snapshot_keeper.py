@@ -5,9 +5,11 @@ the agent, then
 - replicates every shard this node's workers wrote to the node's **buddy** (the next node of
   the running generation, in name order, that is alive) and the coordinator's `.metadata` and
   manifest to every member, over the peers' SnapshotPeer service;
-- publishes what the node holds (`snapshots/<node>`, under the agent's lease, so it vanishes
-  with the node): the leader plans a restore from the newest step the live members can
-  assemble;
+- answers what the node holds (`holdings`, asked by the leader before it writes a generation,
+  which plans a restore from the newest step the live members can assemble), and publishes it
+  (`snapshots/<node>`, under the agent's lease, so it vanishes with the node) at most once a
+  `publish_s`, for metrics and `ultractl`: a put per change, several a step on every node,
+  each a watch event to every agent, was most of what snapshots cost the agents;
 - keeps the newest `keep` steps it holds a manifest for (and anything newer) and frees the rest;
 - serves byte ranges of what it holds, to its own workers and to peers.
 
@@ -24,38 +26,40 @@ import logging
 import os
 import secrets
 import shutil
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 
 from checkpoint.snapshot_format import (
-    CHUNK_BYTES,
     MANIFEST_NAME,
     METADATA_NAME,
     FileEntry,
-    SnapshotInvalid,
     SnapshotManifest,
     chunk_checksums,
     parse_step_dir,
+    read_held,
     record_name,
     record_rank,
     shard_rank,
     snapshot_root,
     step_dir,
-    verify_span,
     write_atomically,
 )
 from daemon.config import AgentConfig
 from daemon.control.etcd_client import ETCD_ERRORS, Etcd
 from daemon.control.keys import Keys
 from daemon.control.records import HeldStep, SnapshotHoldings
-from daemon.control.snapshot_steps import newest_assemblable
+from daemon.control.snapshot_steps import buddy_of, newest_assemblable, peers_holding
 from daemon.control.view import ClusterView
 from daemon.node.snapshot_files import (
     Incoming,
+    ParsedFiles,
+    ensure_metadata,
     file_pieces,
     listdir,
     parse_step_manifest,
     size_of,
+    verify_incoming,
 )
 
 log = logging.getLogger(__name__)
@@ -69,7 +73,8 @@ OnHeld = Callable[[int, int, int], None]
 class SnapshotKeeper:
     def __init__(self, root: Path, node: str, address: str, view: ClusterView, etcd: Etcd,
                  keys: Keys, send: Send, lease: Callable[[], int], keep: int = 2,
-                 poll_s: float = 0.05, on_held: OnHeld = lambda *_: None) -> None:
+                 poll_s: float = 0.05, on_held: OnHeld = lambda *_: None,
+                 publish_s: float = 0.5) -> None:
         self.root, self.node, self.address = Path(root), node, address
         self.on_held = on_held
         self.view, self.etcd, self.keys = view, etcd, keys
@@ -77,9 +82,14 @@ class SnapshotKeeper:
         self.wake = asyncio.Event()
         self._sent: dict[tuple[int, str], set[str]] = {}  # (step, file) -> nodes holding a copy
         self._received: set[tuple[int, str]] = set()
+        self._metadata_sent: dict[str, tuple[int, object]] = {}  # node -> (size, chunks) it has
         self._published: tuple[int, SnapshotHoldings] | None = None  # (lease, holdings)
+        self.publish_s = publish_s
+        self._published_at = 0.0  # monotonic time of the last publication
+        self._published_for: tuple[object, ...] = ()  # (lease, job, generation) it was for
+        self._unpublished = False  # a change came within the period: look again after it
         self._spec_revision = 0  # the job submission the snapshots here belong to
-        self._cache: dict[Path, tuple[tuple[int, int, int], object]] = {}
+        self._parsed = ParsedFiles()
         self._last_signature: tuple[object, ...] = ()
         self._retry = False  # a send or publication failed: work again at the next poll
         self._failing: set[str] = set()  # peers the last send to failed
@@ -115,23 +125,27 @@ class SnapshotKeeper:
                     await self.wake.wait()
             self.wake.clear()
             signature = self._signature()
-            if signature != self._last_signature or self._retry:
+            changed = signature != self._last_signature or self._retry
+            if changed:
                 # Something changed here (a file written, received or freed) or in the
                 # cluster (a new generation, a node came or went), or a send must be retried.
                 self._retry = False
                 self._follow_job()
                 await self._replicate()
                 self._prune()
+                self._last_signature = self._signature()
+            if changed or (self._unpublished
+                            and self._published_at + self.publish_s <= time.monotonic()):
                 try:
                     await self._publish()
                 except ETCD_ERRORS as exc:
                     self._retry = True
                     log.warning("snapshot holdings not published (%s); retrying",
                                 type(exc).__name__)
-                self._last_signature = self._signature()
-            live = {n: h for n, h in self.view.snapshots.items()
-                    if n in self.view.nodes and h.spec_revision == self._spec_revision}
-            self.on_held(self.bytes_held, newest_assemblable(live)[0], self.view.progress.step)
+                live = {n: h for n, h in self.view.snapshots.items()
+                        if n in self.view.nodes and h.spec_revision == self._spec_revision}
+                self.on_held(self.bytes_held, newest_assemblable(live)[0],
+                             self.view.progress.step)
 
     def _signature(self) -> tuple[object, ...]:
         """What the keeper's work depends on, cheaply: the root's and each step directory's
@@ -156,6 +170,7 @@ class SnapshotKeeper:
                 self.root.mkdir(parents=True, exist_ok=True)
                 self._sent.clear()
                 self._received.clear()
+                self._metadata_sent.clear()
             self._spec_revision = revision
 
     async def _ensure_secret(self) -> None:
@@ -181,29 +196,9 @@ class SnapshotKeeper:
                     found[step] = Path(entry.path)
         return found
 
-    def _parsed(self, path: Path, parse: Callable[[bytes], object]) -> object | None:
-        """`parse(bytes of path)`, cached while the file's inode, size and mtime stay the same
-        (files are replaced by rename, never rewritten in place): the keeper looks at every
-        held file every poll, and parsing them all again cost an agent 10% of a core."""
-        try:
-            st = os.stat(path)
-        except FileNotFoundError:
-            self._cache.pop(path, None)
-            return None
-        key = (st.st_ino, st.st_size, st.st_mtime_ns)
-        cached = self._cache.get(path)
-        if cached is not None and cached[0] == key:
-            return cached[1]
-        try:
-            value = parse(path.read_bytes())
-        except (OSError, ValueError, SnapshotInvalid):
-            value = None
-        self._cache[path] = (key, value)
-        return value
-
     def _record(self, directory: Path, rank: int) -> FileEntry | None:
         name = record_name(rank)
-        value = self._parsed(directory / name,
+        value = self._parsed.get(directory / name,
                              lambda raw: FileEntry.from_json(json.loads(raw), name))
         return value if isinstance(value, FileEntry) else None
 
@@ -231,57 +226,39 @@ class SnapshotKeeper:
         return tuple(out)
 
     def _manifest(self, directory: Path, step: int) -> SnapshotManifest | None:
-        value = self._parsed(directory / MANIFEST_NAME, lambda raw: parse_step_manifest(raw, step))
+        value = self._parsed.get(directory / MANIFEST_NAME, lambda raw: parse_step_manifest(raw, step))
         return value if isinstance(value, SnapshotManifest) else None
 
     def read(self, step: int, file: str, offset: int, length: int) -> bytes | None:
         """Raw bytes of a file held here (None: not here). Readers verify them themselves."""
-        path = step_dir(self.root, step) / file
-        if shard_rank(file) is None and record_rank(file) is None \
-                and file not in (METADATA_NAME, MANIFEST_NAME):
-            raise ValueError(f"file: not a snapshot file name ({file!r})")
-        try:
-            fd = os.open(path, os.O_RDONLY)
-        except FileNotFoundError:
-            return None
-        try:
-            size = os.fstat(fd).st_size
-            if length < 0:
-                length = max(0, size - offset)
-            return os.pread(fd, length, offset)
-        finally:
-            os.close(fd)
+        return read_held(self.root, step, file, offset, length)
 
-    def holder(self, step: int, file: str) -> str | None:
-        """The address of a live peer that holds `file` of `step`, per the published holdings."""
+    def holders(self, step: int, file: str) -> list[str]:
+        """Addresses of live peers to read `file` of `step` from, most likely first: those
+        whose published holdings list it, then the nodes the plan restores from (published
+        holdings lag by up to `publish_s`; the plan's come from asking every member)."""
         rank = shard_rank(file)
         rank = record_rank(file) if rank is None else rank
-        for node, h in sorted(self.view.snapshots.items()):
-            if node == self.node or node not in self.view.nodes:
-                continue
-            for held in h.steps:
-                if held.step == step and (rank in held.ranks if rank is not None
-                                          else held.metadata):
-                    return h.address
-        return None
+        peers = {n: h for n, h in self.view.snapshots.items()
+                 if n != self.node and n in self.view.nodes}
+        plan = self.view.plan
+        planned = tuple(n for n in plan.restore.locations if n != self.node and n in
+                        self.view.nodes) if plan is not None and plan.restore.source == \
+            "snapshot" and plan.restore.step == step else ()
+        return [peers[n].address if n in peers else self.view.nodes[n].record.address
+                for n in peers_holding(peers, step, rank, planned)]
+
+    def holdings(self) -> SnapshotHoldings:
+        """What this node holds now."""
+        return SnapshotHoldings(self.node, self.address, self.held(), self._spec_revision)
 
     # -- receiving ----------------------------------------------------------------------------
 
     def store(self, header: Incoming, data: bytes) -> None:
         """Keep a peer's copy once it verifies; raises SnapshotInvalid when it does not."""
-        where = f"copy of snapshot step {header.step}: {header.file} from a peer"
-        if shard_rank(header.file) is None and header.file not in (METADATA_NAME, MANIFEST_NAME):
-            raise SnapshotInvalid(f"{where}: not a snapshot file name")
-        if len(data) != header.size:
-            raise SnapshotInvalid(f"{where} is truncated: {len(data)} of {header.size} bytes")
+        verify_incoming(header, data)
         if header.file == MANIFEST_NAME:
-            SnapshotManifest.parse(data, where)
-        else:
-            entry = FileEntry(header.file, header.rank, header.size, header.chunks)
-            if len(header.chunks) != -(-header.size // CHUNK_BYTES):
-                raise SnapshotInvalid(f"{where}: {len(header.chunks)} chunk checksums for "
-                                      f"{header.size} bytes")
-            verify_span(entry, 0, header.size, data, where)
+            ensure_metadata(self.root, header.step, data)
         directory = step_dir(self.root, header.step)
         directory.mkdir(parents=True, exist_ok=True)
         rank = shard_rank(header.file)
@@ -297,16 +274,7 @@ class SnapshotKeeper:
 
     def _buddy(self) -> str | None:
         plan = self.view.plan
-        if plan is None:
-            return None
-        ring = sorted(set(plan.nodes))
-        if self.node not in ring:
-            return None
-        i = ring.index(self.node)
-        for other in ring[i + 1:] + ring[:i]:
-            if other in self.view.nodes:
-                return other
-        return None
+        return buddy_of(self.node, plan.nodes, self.view.nodes) if plan is not None else None
 
     async def _replicate(self) -> None:
         steps = self._steps()
@@ -323,28 +291,39 @@ class SnapshotKeeper:
                 if entry is not None and size_of(directory / name) == entry.size:
                     await self._send_to(buddy, step, directory, entry)
             if manifest is not None and (step, MANIFEST_NAME) not in self._received:
-                # The coordinator's node: .metadata, then the manifest, to every member.
-                plan = self.view.plan
-                for node in sorted(set(plan.nodes) if plan else ()):
-                    if node != self.node and node in self.view.nodes:
-                        await self._send_to(node, step, directory,
-                                            manifest.file(METADATA_NAME))
-                        try:
-                            blob = (directory / MANIFEST_NAME).read_bytes()
-                        except FileNotFoundError:
-                            return  # the step was freed meanwhile (a restore, a new job)
-                        await self._send_to(node, step, directory,
-                                            FileEntry(MANIFEST_NAME, -1, len(blob),
-                                                      chunk_checksums(blob)))
+                await self._send_manifest(step, directory, manifest)
 
-    async def _send_to(self, node: str, step: int, directory: Path, entry: FileEntry) -> None:
+    async def _send_manifest(self, step: int, directory: Path,
+                             manifest: SnapshotManifest) -> None:
+        """The coordinator's node: .metadata, then the manifest, to every member. The metadata
+        is the same for every step of a generation: a member sent it for an earlier step links
+        that copy when the manifest arrives (and refuses the manifest when it cannot)."""
+        plan, metadata = self.view.plan, manifest.file(METADATA_NAME)
+        for node in sorted(set(plan.nodes) if plan else ()):
+            if node == self.node or node not in self.view.nodes \
+                    or node in self._sent.get((step, MANIFEST_NAME), ()):
+                continue
+            if self._metadata_sent.get(node) != (metadata.size, metadata.chunks):
+                if not await self._send_to(node, step, directory, metadata):
+                    continue
+                self._metadata_sent[node] = (metadata.size, metadata.chunks)
+            try:
+                blob = (directory / MANIFEST_NAME).read_bytes()
+            except FileNotFoundError:
+                return  # the step was freed meanwhile (a restore, a new job)
+            if not await self._send_to(node, step, directory, FileEntry(
+                    MANIFEST_NAME, -1, len(blob), chunk_checksums(blob))):
+                self._metadata_sent.pop(node, None)  # send it again with the next try
+
+    async def _send_to(self, node: str, step: int, directory: Path, entry: FileEntry) -> bool:
+        """Whether `node` has the file now (sent before, or by this call)."""
         done = self._sent.setdefault((step, entry.path), set())
         member = self.view.nodes.get(node)
-        if node in done or member is None:
-            return
+        if node in done:
+            return True
         header = Incoming(step, entry.path, entry.size, entry.chunks, entry.rank)
-        if size_of(directory / entry.path) != entry.size:
-            return  # freed meanwhile
+        if member is None or size_of(directory / entry.path) != entry.size:
+            return False  # gone, or the file was freed meanwhile
         try:
             await self.send(member.record.address, header, file_pieces(directory / entry.path))
         except Exception as exc:  # noqa: BLE001 - a peer's failure must not end the keeper
@@ -354,11 +333,12 @@ class SnapshotKeeper:
                 str(exc)[:300])
             self._failing.add(node)
             self._retry = True
-            return
+            return False
         if node in self._failing:
             self._failing.discard(node)
             log.info("snapshot step %d: sending to %s works again", step, node)
         done.add(node)
+        return True
 
     # -- retention and publication ------------------------------------------------------------
 
@@ -381,16 +361,26 @@ class SnapshotKeeper:
         for key in [k for k in self._sent if k[0] < oldest_kept]:
             del self._sent[key]
         live = {steps[s] for s in steps if s >= oldest_kept}
-        self._cache = {p: v for p, v in self._cache.items() if p.parent in live}
+        self._parsed.keep_only(live)
         self._received = {k for k in self._received if k[0] >= oldest_kept}
 
     async def _publish(self) -> None:
+        """Publish the holdings when they changed: at once for a new lease, job or generation,
+        else at most once a `publish_s`."""
         lease = self.lease()
         if not lease:
             return
-        holdings = SnapshotHoldings(self.node, self.address, self.held(), self._spec_revision)
+        context = (lease, self._spec_revision, self.view.generation)
+        now = time.monotonic()
+        # Within the period, not even a look (listing what is held costs stats and parses).
+        self._unpublished = context == self._published_for and \
+            now < self._published_at + self.publish_s
+        if self._unpublished:
+            return
+        holdings = self.holdings()
         if self._published == (lease, holdings):
             return
         await self.etcd.put(self.keys.snapshot_holdings(self.node), holdings.to_json(),
                             lease=lease)
-        self._published = (lease, holdings)
+        self._published, self._published_at, self._published_for = (lease, holdings), now, \
+            context

@@ -156,17 +156,25 @@ class WorkerControlService(pb_grpc.WorkerControlServicer):
             for start in range(0, max(1, len(data)), PIECE_BYTES):
                 yield pb.SnapshotBytes(data=data[start:start + PIECE_BYTES])
             return
-        address = keeper.holder(request.step, request.file)
-        if address is None:
+        addresses = keeper.holders(request.step, request.file)
+        if not addresses:
             await context.abort(grpc.StatusCode.NOT_FOUND,
                                 f"snapshot step {request.step}: no live agent holds {request.file}")
-        try:
-            async for piece in self.host.read_peer_snapshot(address, request):
+        failures = []
+        for address in addresses:
+            pieces = []
+            try:
+                async for piece in self.host.read_peer_snapshot(address, request):
+                    pieces.append(piece)
+            except grpc.aio.AioRpcError as exc:
+                failures.append(f"{address}: {exc.code().name}: {exc.details()}")
+                continue
+            for piece in pieces:
                 yield pb.SnapshotBytes(data=piece)
-        except grpc.aio.AioRpcError as exc:
-            await context.abort(grpc.StatusCode.UNAVAILABLE,
-                                f"snapshot step {request.step}: reading {request.file} from "
-                                f"{address} failed: {exc.code().name}: {exc.details()}")
+            return
+        await context.abort(grpc.StatusCode.UNAVAILABLE,
+                            f"snapshot step {request.step}: reading {request.file} failed from "
+                            + "; ".join(failures))
 
     async def ReportRestore(self, request: pb.RestoreReport,
                             context: grpc.aio.ServicerContext) -> pb.RestoreReply:

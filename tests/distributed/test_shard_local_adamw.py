@@ -18,8 +18,9 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
-from torch.distributed.tensor import DTensor, Partial, Replicate, distribute_tensor
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 
+from checkpoint.optimizer_state import zeros_like
 from trainer.shard_local_adamw import ShardLocalAdamW
 
 pytestmark = pytest.mark.distributed
@@ -60,6 +61,25 @@ def _run(optimizer_cls: type, mesh, amsgrad: bool) -> tuple[dict, list]:
     return {"params": params, "initial": initial}, state
 
 
+def _zeros_like_differences(mesh) -> list[str]:
+    """Where the priming `zeros_like` differs from torch's on DTensors: evenly and unevenly
+    sharded (5 rows on 2 ranks), replicated, and Partial (left to torch)."""
+    out = []
+    for name, t in [("even", distribute_tensor(torch.randn(6, 3), mesh, [Shard(0)])),
+                    ("uneven", distribute_tensor(torch.randn(5, 3), mesh, [Shard(0)])),
+                    ("columns", distribute_tensor(torch.randn(3, 5), mesh, [Shard(1)])),
+                    ("replicated", distribute_tensor(torch.randn(4), mesh, [Replicate()])),
+                    ("partial", DTensor.from_local(torch.randn(4), mesh, [Partial()]))]:
+        ours, ref = zeros_like(t), torch.zeros_like(t)
+        got = (type(ours), ours.placements, ours.shape, ours.stride(), ours.to_local().shape,
+               ours.to_local().stride(), ours.dtype, bool(ours.to_local().any()))
+        want = (type(ref), ref.placements, ref.shape, ref.stride(), ref.to_local().shape,
+                ref.to_local().stride(), ref.dtype, False)
+        if got != want:
+            out.append(f"{name}: {got} != {want}")
+    return out
+
+
 def _worker(rank: int, store_path: str, out: str) -> None:
     torch.set_num_threads(1)
     os.environ.pop("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", None)
@@ -70,7 +90,7 @@ def _worker(rank: int, store_path: str, out: str) -> None:
     for amsgrad in (False, True):
         results[amsgrad] = (_run(torch.optim.AdamW, mesh, amsgrad),
                             _run(ShardLocalAdamW, mesh, amsgrad))
-    torch.save(results, f"{out}.{rank}")
+    torch.save({"adamw": results, "zeros_like": _zeros_like_differences(mesh)}, f"{out}.{rank}")
     dist.destroy_process_group()
 
 
@@ -79,7 +99,9 @@ def test_matches_torch_adamw_bit_for_bit(tmp_path: Path):
     mp.start_processes(_worker, args=(str(tmp_path / "store"), str(out)), nprocs=2,
                        start_method="spawn")
     for rank in range(2):
-        results = torch.load(f"{out}.{rank}", weights_only=False)
+        saved = torch.load(f"{out}.{rank}", weights_only=False)
+        results = saved["adamw"]
+        assert saved["zeros_like"] == [], f"rank {rank}: {saved['zeros_like']}"
         for amsgrad, ((ref_params, ref_state), (params, state)) in results.items():
             assert len(params["params"]) == len(ref_params["params"]) == 4
             for i, (a, b) in enumerate(zip(ref_params["params"], params["params"], strict=True)):

@@ -3,6 +3,8 @@ what verifies), what it says it holds, what it frees, what it serves."""
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
 import json
 import shutil
 import tempfile
@@ -15,11 +17,13 @@ from checkpoint.snapshot_format import (
     MANIFEST_NAME,
     METADATA_NAME,
     SnapshotInvalid,
+    SnapshotManifest,
     chunk_checksums,
     record_name,
     shard_name,
     shard_rank,
     step_dir,
+    write_atomically,
 )
 from daemon.control.records import HeldStep, SnapshotHoldings
 from daemon.node.snapshot_files import Incoming
@@ -122,18 +126,35 @@ def test_reads_serve_ranges_and_whole_files_and_none_when_absent(root):
     assert k.read(6, shard_name(0), 0, -1) is None
 
 
+def _member(address: str) -> SimpleNamespace:
+    return SimpleNamespace(record=SimpleNamespace(address=address))
+
+
 def test_a_file_not_held_here_is_read_from_a_live_peer_that_holds_it(root):
     view = SimpleNamespace(
-        nodes={"b": object(), "c": object()},
+        nodes={"b": _member("b:1"), "c": _member("c:1")},
         snapshots={"b": SnapshotHoldings("b", "b:1", (HeldStep(5, (0,), 2, False),)),
                    "c": SnapshotHoldings("c", "c:1", (HeldStep(5, (1,), 2, True),)),
                    "d": SnapshotHoldings("d", "d:1", (HeldStep(5, (0, 1), 2, True),))},
         plan=None)
     k = keeper(root, view)
-    assert k.holder(5, shard_name(0)) == "b:1"
-    assert k.holder(5, shard_name(1)) == "c:1"
-    assert k.holder(5, METADATA_NAME) == "c:1"  # d holds everything but is no member
-    assert k.holder(4, shard_name(0)) is None
+    assert k.holders(5, shard_name(0)) == ["b:1"]
+    assert k.holders(5, shard_name(1)) == ["c:1"]
+    assert k.holders(5, METADATA_NAME) == ["c:1"]  # d holds everything but is no member
+    assert k.holders(4, shard_name(0)) == []
+
+
+def test_the_plans_restore_locations_are_tried_after_the_published_holders(root):
+    """Published holdings lag; the plan's locations come from asking every member."""
+    restore = SimpleNamespace(source="snapshot", step=6, locations=("a", "b", "c", "d"))
+    view = SimpleNamespace(
+        nodes={"a": _member("a:1"), "b": _member("b:1"), "c": _member("c:1")},
+        snapshots={"c": SnapshotHoldings("c", "c:1", (HeldStep(6, (0,), 2, True),))},
+        plan=SimpleNamespace(restore=restore))
+    k = keeper(root, view)
+    assert k.holders(6, shard_name(0)) == ["c:1", "b:1"]  # not itself, nor d (no member)
+    assert k.holders(6, shard_name(1)) == ["b:1", "c:1"]
+    assert k.holders(5, shard_name(1)) == []  # not the step the plan restores
 
 
 def test_steps_without_manifests_are_bounded_too(root):
@@ -154,3 +175,76 @@ def test_a_node_without_room_for_the_predicted_snapshots_says_so(tmp_path, caplo
         assert not caplog.records
         check_room(root, 0, free * 2)
     assert "snapshots need about" in caplog.text and "restores fall back" in caplog.text
+
+
+def _same_generation_step(root: Path, step: int, earlier: int) -> None:
+    """The coordinator's next snapshot of a generation: the same files and .metadata as
+    `earlier`, and a manifest of its own step."""
+    shutil.copytree(step_dir(root, earlier), step_dir(root, step))
+    manifest = SnapshotManifest.parse((step_dir(root, earlier) / MANIFEST_NAME).read_bytes(), "")
+    write_atomically(step_dir(root, step) / MANIFEST_NAME,
+                     dataclasses.replace(manifest, step=step).to_bytes())
+
+
+def _send(k: SnapshotKeeper, source: Path, step: int, name: str) -> None:
+    data = (step_dir(source, step) / name).read_bytes()
+    k.store(Incoming(step, name, len(data), chunk_checksums(data), -1), data)
+
+
+def test_a_manifest_links_the_metadata_its_node_holds_for_an_earlier_step(root):
+    source = root / "coordinator"
+    make_step(source, 3, [64])
+    _same_generation_step(source, 4, 3)
+    k = keeper(root / "member")
+    _send(k, source, 3, METADATA_NAME)
+    _send(k, source, 3, MANIFEST_NAME)
+    _send(k, source, 4, MANIFEST_NAME)  # no .metadata sent for step 4
+    held = step_dir(root / "member", 4) / METADATA_NAME
+    assert held.read_bytes() == (step_dir(source, 3) / METADATA_NAME).read_bytes()
+    assert [(h.step, h.metadata) for h in k.held()] == [(3, True), (4, True)]
+
+
+@pytest.mark.parametrize("case", ["nothing held", "other metadata"])
+def test_a_manifest_whose_metadata_is_not_here_is_refused(root, case):
+    source = root / "coordinator"
+    make_step(source, 3, [64])
+    make_step(source, 4, [64])  # metadata of its own: another generation's
+    k = keeper(root / "member")
+    if case == "other metadata":
+        _send(k, source, 3, METADATA_NAME)
+        _send(k, source, 3, MANIFEST_NAME)
+    with pytest.raises(SnapshotInvalid, match=r"\.metadata is not here"):
+        _send(k, source, 4, MANIFEST_NAME)
+    assert not (step_dir(root / "member", 4) / MANIFEST_NAME).exists()
+    assert not (step_dir(root / "member", 4) / METADATA_NAME).exists()
+
+
+class _Puts:
+    def __init__(self) -> None:
+        self.values: list[bytes] = []
+
+    async def put(self, key: bytes, value: bytes, lease: int) -> None:
+        self.values.append(value)
+
+
+def test_holdings_are_published_at_most_once_a_period_but_at_once_for_a_new_generation(root):
+    view = SimpleNamespace(snapshots={}, nodes={}, plan=None, generation=1)
+    etcd = _Puts()
+    k = SnapshotKeeper(root, "a", "a:1", view, etcd,  # type: ignore[arg-type]
+                       SimpleNamespace(snapshot_holdings=lambda node: node.encode()),
+                       None, lambda: 7, publish_s=3600)  # type: ignore[arg-type]
+    data = b"x" * 100
+
+    async def scenario() -> None:
+        k.store(header(5, 0, data), data)
+        await k._publish()
+        k.store(header(5, 1, data), data)
+        await k._publish()  # changed, but within the period: waits
+        assert k._unpublished
+        view.generation = 2
+        await k._publish()  # a new generation: at once
+        await k._publish()  # unchanged: nothing
+
+    asyncio.run(scenario())
+    published = [SnapshotHoldings.from_json(v).steps for v in etcd.values]
+    assert published == [(HeldStep(5, (0,), 0, False),), (HeldStep(5, (0, 1), 0, False),)]

@@ -375,6 +375,16 @@ class RestoreReply(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
+class HoldingsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class HoldingsReply(_message.Message):
+    __slots__ = ("holdings_json",)
+    HOLDINGS_JSON_FIELD_NUMBER: _ClassVar[int]
+    holdings_json: str
+    def __init__(self, holdings_json: _Optional[str] = ...) -> None: ...
+
 class FileChunk(_message.Message):
     __slots__ = ("step", "file", "size", "chunks", "chunk_bytes", "rank", "data")
     STEP_FIELD_NUMBER: _ClassVar[int]

@@ -869,6 +869,11 @@ class SnapshotPeerStub:
                 request_serializer=ultrascale_dot_v1_dot_agent__pb2.SnapshotRange.SerializeToString,
                 response_deserializer=ultrascale_dot_v1_dot_agent__pb2.SnapshotBytes.FromString,
                 _registered_method=True)
+        self.Holdings = channel.unary_unary(
+                '/ultrascale.v1.SnapshotPeer/Holdings',
+                request_serializer=ultrascale_dot_v1_dot_agent__pb2.HoldingsRequest.SerializeToString,
+                response_deserializer=ultrascale_dot_v1_dot_agent__pb2.HoldingsReply.FromString,
+                _registered_method=True)
 
 
 class SnapshotPeerServicer:
@@ -893,6 +898,14 @@ class SnapshotPeerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Holdings(self, request, context):
+        """What this agent holds now (a SnapshotHoldings record as JSON): the leader asks every
+        member before it writes a generation, so the plan's restore is not older than memory.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_SnapshotPeerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -905,6 +918,11 @@ def add_SnapshotPeerServicer_to_server(servicer, server):
                     servicer.ReadRange,
                     request_deserializer=ultrascale_dot_v1_dot_agent__pb2.SnapshotRange.FromString,
                     response_serializer=ultrascale_dot_v1_dot_agent__pb2.SnapshotBytes.SerializeToString,
+            ),
+            'Holdings': grpc.unary_unary_rpc_method_handler(
+                    servicer.Holdings,
+                    request_deserializer=ultrascale_dot_v1_dot_agent__pb2.HoldingsRequest.FromString,
+                    response_serializer=ultrascale_dot_v1_dot_agent__pb2.HoldingsReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -965,6 +983,33 @@ class SnapshotPeer:
             '/ultrascale.v1.SnapshotPeer/ReadRange',
             ultrascale_dot_v1_dot_agent__pb2.SnapshotRange.SerializeToString,
             ultrascale_dot_v1_dot_agent__pb2.SnapshotBytes.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Holdings(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/ultrascale.v1.SnapshotPeer/Holdings',
+            ultrascale_dot_v1_dot_agent__pb2.HoldingsRequest.SerializeToString,
+            ultrascale_dot_v1_dot_agent__pb2.HoldingsReply.FromString,
             options,
             channel_credentials,
             insecure,
