@@ -12,7 +12,10 @@ The job of `bench.recovery` (a 2-layer GQA Llama, global batch 10, no durable ch
 
 Step time is the wall time between consecutive committed steps (steps.jsonl `time`), so it
 includes everything between two steps (the step report and agreement, the snapshot), not only
-the step itself. Each run's median over the steps after the first 5 and, for ultrad, after every
+the step itself. For the ultrad arms the table also shows the CPU time the agents (all of them
+together) and etcd spend per committed step, from /proc over the middle of the run: on this
+machine the agents share the cores with the workers, so their work shows up as step time, and
+CPU time is the steadier measure of it. Each run's median over the steps after the first 5 and, for ultrad, after every
 node's standby worker has imported torch (it starts once the job trains and competes for the
 CPU until then: a one-off start-up cost, not a per-step one); the table shows the median over
 runs and the ratio to the bare loop.
@@ -74,13 +77,40 @@ def run_bare(work: Path, job: Path, steps: int, ranks: int) -> list[float]:
     return step_gaps(output / "steps.jsonl")
 
 
-def run_ultrad(work: Path, job: Path, steps: int, nodes: int, snapshots: bool) -> list[float]:
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of process `pid` so far (0 once it is gone)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def committed(steps_file: Path) -> int:
+    with contextlib.suppress(FileNotFoundError):
+        return len(steps_file.read_text().splitlines())
+    return 0
+
+
+def control_cpu_per_step(samples: list[tuple[int, float]], steps: int) -> float:
+    """CPU seconds per committed step between the first sample past a third of the run and the
+    last before its final tenth; `samples` are (steps committed, CPU seconds so far)."""
+    middle = [(n, c) for n, c in samples if steps // 3 <= n <= steps - steps // 10]
+    if len(middle) < 2 or middle[-1][0] == middle[0][0]:
+        return float("nan")
+    return (middle[-1][1] - middle[0][1]) / (middle[-1][0] - middle[0][0])
+
+
+def run_ultrad(work: Path, job: Path, steps: int, nodes: int, snapshots: bool
+               ) -> tuple[list[float], float]:
+    """Step gaps, and the agents' and etcd's CPU seconds per committed step."""
     from daemon.cli.local import LocalCluster, _call
     from proto.ultrascale.v1 import agent_pb2 as pb
 
     cluster = LocalCluster(work / "state", nodes, 1, ttl=2)
     output = work / "output"
     pids: set[int] = set()
+    samples: list[tuple[int, float]] = []
     try:
         cluster.start(timeout=90)
         token = cluster.token_file.read_text().strip()
@@ -93,6 +123,10 @@ def run_ultrad(work: Path, job: Path, steps: int, nodes: int, snapshots: bool) -
         def finished() -> bool:
             for proc in cluster.agents.values():
                 pids.update(_descendants(proc.pid))
+            assert cluster.etcd is not None and cluster.etcd.proc is not None
+            control = [p.pid for p in cluster.agents.values()] + [cluster.etcd.proc.pid]
+            samples.append((committed(output / "steps.jsonl"),
+                            sum(cpu_seconds(p) for p in control)))
             return _call(cluster, token, "GetStatus", pb.GetStatusRequest()).finished
 
         _wait(finished, 900, "the job to finish", 0.5)
@@ -101,7 +135,8 @@ def run_ultrad(work: Path, job: Path, steps: int, nodes: int, snapshots: bool) -
         for pid in pids:
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.kill(pid, 9)
-    return step_gaps(output / "steps.jsonl", after=standbys_ready(cluster.state_dir))
+    return (step_gaps(output / "steps.jsonl", after=standbys_ready(cluster.state_dir)),
+            control_cpu_per_step(samples, steps))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -116,6 +151,7 @@ def main(argv: list[str] | None = None) -> int:
     root = Path(tempfile.mkdtemp(prefix="bench-overhead-"))
     job = write_job(root)
     medians: dict[str, list[float]] = {arm: [] for arm in ARMS}
+    control: dict[str, list[float]] = {arm: [] for arm in ARMS}
     for run in range(args.runs):
         for arm in ARMS:
             work = root / f"{arm}-{run}"
@@ -124,7 +160,8 @@ def main(argv: list[str] | None = None) -> int:
             if arm == "bare":
                 gaps = run_bare(work, job, args.steps, args.nodes)
             else:
-                gaps = run_ultrad(work, job, args.steps, args.nodes, arm == "ultrad+snap")
+                gaps, cpu = run_ultrad(work, job, args.steps, args.nodes, arm == "ultrad+snap")
+                control[arm].append(cpu)
             medians[arm].append(statistics.median(gaps))
             print(f"  {arm} run {run}: median step {medians[arm][-1] * 1e3:.1f} ms over "
                   f"{len(gaps)} steps ({time.monotonic() - started:.0f}s)", file=sys.stderr,
@@ -132,10 +169,11 @@ def main(argv: list[str] | None = None) -> int:
     base = statistics.median(medians["bare"])
     print(f"\nwall time per step, {args.nodes} ranks (median over {args.runs} runs of each run's "
           f"median over steps {WARMUP + 1}..{args.steps})")
-    print(f"{'arm':<12} {'ms/step':>8} {'vs bare':>8}")
+    print(f"{'arm':<12} {'ms/step':>8} {'vs bare':>8} {'agents+etcd CPU ms/step':>24}")
     for arm in ARMS:
         m = statistics.median(medians[arm])
-        print(f"{arm:<12} {m * 1e3:>8.1f} {m / base:>7.2f}x")
+        cpu = f"{statistics.median(control[arm]) * 1e3:.1f}" if control[arm] else "-"
+        print(f"{arm:<12} {m * 1e3:>8.1f} {m / base:>7.2f}x {cpu:>24}")
     shutil.rmtree(root, ignore_errors=True)
     return 0
 

@@ -8,6 +8,7 @@ than etcd's last compaction is gone, as with `kubectl get events`.
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
@@ -116,11 +117,19 @@ def render(keys: Keys, ev: Any) -> ClusterEvent | None:
     return None
 
 
+# A progress notification ends a replay only once some event came, or this long after the
+# watch began: etcd before 3.5.8 may answer a progress request on a watch that starts in the
+# past with the current revision *before* it sends the history (etcd issue 15220), and a replay
+# that trusted it returned nothing. etcd sends a lagging watch its history every 100 ms.
+_SYNC_GRACE_S = 1.0
+
+
 async def history(etcd: Etcd, keys: Keys, follow: bool) -> AsyncIterator[ClusterEvent]:
     """Events from the oldest kept revision; without `follow`, up to the revision at call time."""
     _, until = await etcd.get_prefix(keys.prefix)
     start = 1
     while True:
+        began, synced = time.monotonic(), False
         try:
             async for resp in etcd.watch(keys.prefix, prefix=True, start_revision=start,
                                          progress_every=None if follow else 0.1):
@@ -129,7 +138,9 @@ async def history(etcd: Etcd, keys: Keys, follow: bool) -> AsyncIterator[Cluster
                     if event is not None and (follow or event.revision <= until):
                         yield event
                     start = ev.kv.mod_revision + 1
-                caught_up = not resp.events and not resp.created
+                synced = synced or bool(resp.events) or \
+                    time.monotonic() - began > _SYNC_GRACE_S
+                caught_up = synced and not resp.events and not resp.created
                 if not follow and (start > until or (caught_up and resp.header.revision >= until)):
                     return
             return
