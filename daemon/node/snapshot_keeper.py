@@ -9,7 +9,7 @@ the agent, then
   which plans a restore from the newest step the live members can assemble), and publishes it
   (`snapshots/<node>`, under the agent's lease, so it vanishes with the node) at most once a
   `publish_s`, for metrics and `ultractl`: a put per change, several a step on every node,
-  each a watch event to every agent, was most of what snapshots cost the agents;
+  each a watch event to every agent, was a large part of what snapshots cost the agents;
 - keeps the newest `keep` steps it holds a manifest for (and anything newer) and frees the rest;
 - serves byte ranges of what it holds, to its own workers and to peers.
 
