@@ -98,3 +98,57 @@ def test_a_failed_join_does_not_shift_group_names():
                                 timeout=timedelta(seconds=1))
     leave_world()
     assert dist.distributed_c10d._world.group_count == fresh_name == 0
+
+
+def _pinned_worker(rank: int, port: int, hold_s: float, out: str) -> None:
+    """Rank 1 leaves while a thread still holds the group and leaves it in a reference cycle
+    when it ends (as a durable checkpoint's upload does when its group is destroyed); rank 0
+    is blocked in a receive from rank 1 meanwhile."""
+    import threading
+    import time
+
+    torch.set_num_threads(1)
+    store = dist.TCPStore("127.0.0.1", port, 2, is_master=rank == 0, timeout=timedelta(seconds=60))
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=2,
+                            timeout=timedelta(seconds=60))
+    buf = torch.zeros(4)
+    dist.all_reduce(buf)
+    if rank == 0:
+        try:
+            dist.recv(buf, src=1)
+            error = "the receive returned"
+        except RuntimeError as exc:
+            error = str(exc)
+        torch.save({"error": error}, out)
+        return
+
+    def upload(held: list[object]) -> None:
+        time.sleep(hold_s)
+        held.append(held)  # garbage once the thread ends, but only a collection frees it
+
+    threading.Thread(target=upload, args=([dist.distributed_c10d._get_default_group()],),
+                     daemon=True).start()
+    pinned = leave_world(settle_s=5.0 if hold_s < 1 else 0.2)
+    # Whether rank 0's receive failed while this process still lived (only a freed group
+    # closes its connections; exiting closes them too).
+    deadline = time.monotonic() + (20 if hold_s < 1 else 0)
+    while not Path(out).exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    torch.save({"pinned": pinned, "peer_failed_first": Path(out).exists()}, out + ".1")
+
+
+@pytest.mark.parametrize("hold_s", [0.3, 30.0])
+def test_leaving_waits_for_a_thread_that_still_holds_the_world(tmp_path: Path, hold_s: float):
+    """A group a thread holds for a moment is freed by the teardown, so a peer blocked on this
+    process fails at once (connection closed), not at its timeout or this process's exit; one
+    held for longer than the teardown waits is reported, for the worker to exit on."""
+    out = tmp_path / "out.pt"
+    mp.start_processes(_pinned_worker, args=(_free_port(), hold_s, str(out)), nprocs=2,
+                       start_method="spawn")
+    left = torch.load(str(out) + ".1")
+    error = torch.load(out)["error"]
+    assert "closed by peer" in error or "reset by peer" in error, error
+    if hold_s < 1:
+        assert left == {"pinned": [], "peer_failed_first": True}
+    else:
+        assert left["pinned"] == ["0"], left

@@ -205,6 +205,9 @@ def test_a_fully_reported_failure_is_decided_without_the_debounce(etcd) -> None:
                 await e.put(keys.control_request(f"failure-{node}"), request.to_json())
 
             await report("a")
+            # _settle reads the view: one that has not seen the report yet waits the whole
+            # debounce (it would make this test fail on a slow watch, not on the leader).
+            assert await view.wait_for(lambda: leader._reported(1) == {"a"}, 5)
             settling = asyncio.create_task(leader._settle())
             # "c" answers its probe and has not reported: the wait goes on.
             done, _ = await asyncio.wait({settling}, timeout=1.0)
