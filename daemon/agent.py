@@ -42,7 +42,7 @@ from daemon.control.view import ClusterView
 from daemon.node.progress import ProgressWriter
 from daemon.node.snapshot_files import check_room
 from daemon.node.snapshot_keeper import SnapshotKeeper
-from daemon.node.supervisor import EXIT_REPLACE_ME, Supervisor, WorkerExit
+from daemon.node.supervisor import Supervisor, WorkerExit
 from daemon.node.watchdog import HangDetector, Watchdog
 from daemon.recovery_phases import RecoveryPhases
 from daemon.state import AgentState, StateMachine
@@ -368,8 +368,6 @@ class Agent(WorkerReports):
         self.hangs.forget(exit_.local_rank)
         hung = self._hung.pop(exit_.local_rank, None)
         if exit_.expected and hung is None:
-            if exit_.returncode == EXIT_REPLACE_ME:  # it could not free the world it left
-                self._replace_worker(exit_.local_rank)  # (trainer.teardown): not a failure
             return
         generation = self.view.generation
         if hung is not None:
@@ -384,13 +382,10 @@ class Agent(WorkerReports):
         progress = self.view.progress
         step = progress.step if progress.generation == generation else -1
         self.on_worker_failure(exit_.local_rank, generation, kind, step, message)
-        self._replace_worker(exit_.local_rank)
-
-    def _replace_worker(self, local_rank: int) -> None:
-        """At once: the next generation will want this local rank again."""
         plan = self.view.plan
         if plan is not None and self.node_id in plan.nodes and self.supervisor is not None:
-            self.tasks.spawn(self._ensure_workers(plan), f"respawn-{local_rank}",
+            # Replace it at once: the next generation will want this local rank again.
+            self.tasks.spawn(self._ensure_workers(plan), f"respawn-{exit_.local_rank}",
                              long_lived=False)
 
     async def _kill_hung(self, local_rank: int, reason: str, generation: int) -> None:

@@ -5,10 +5,6 @@ rank needs a worker, the supervisor writes one JSON line: {"local_rank", "log", 
 The standby then writes to that rank's log and error file and runs as that rank's worker, the
 same from there on as one started for it. End of input (the agent stopped, or stopped it) means
 it is not needed: it exits 0.
-
-A worker that cannot free the world it leaves (`trainer.teardown.leave_world`) exits with
-`EXIT_REPLACE_ME`: not a failure (it reported the generation's failure already), but its agent
-gives its local rank to the standby, or a new process, for the next generation.
 """
 
 from __future__ import annotations
@@ -19,7 +15,6 @@ import sys
 from typing import BinaryIO
 
 STANDBY = "standby"
-EXIT_REPLACE_ME = 75  # EX_TEMPFAIL
 
 
 def is_standby(env: dict[str, str] | os._Environ[str]) -> bool:

@@ -13,14 +13,6 @@ The collections that free the old world must traverse every object the process h
 surviving worker's 0.7 s teardown here. `freeze_import_heap` moves what exists at start-up (the
 imported modules, never a generation's state) out of the collector's reach, which brings the
 teardown to about 0.1 s.
-
-A group of the old world can outlive the teardown for a while: a thread still working in it
-(a durable checkpoint's background upload, which fails once its group is destroyed) holds it,
-and what that thread held becomes garbage only when it ends, after the collections above.
-gloo closes a group's connections only when the group is freed, and until then a peer still
-blocked in a collective with this process waits for its process-group timeout instead of
-failing at once. So the teardown collects again until every group of the old world is freed,
-for up to `settle_s`, and reports the ones that are not.
 """
 
 from __future__ import annotations
@@ -28,9 +20,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import sys
-import time
 import warnings
-import weakref
 
 import torch
 import torch.distributed as dist
@@ -83,25 +73,12 @@ def freeze_import_heap() -> None:
     gc.freeze()
 
 
-def _groups() -> list[tuple[str, weakref.ref[object]]]:
-    """(name, weak reference) of every process group of the current world. A group's backend
-    lives as long as the group does (its Python wrapper is made afresh on every access, so a
-    reference to it would say nothing)."""
-    return [(name, weakref.ref(group))
-            for group, name in list(dist.distributed_c10d._world.pg_names.items())]
-
-
-def leave_world(settle_s: float = 1.0, poll_s: float = 0.005) -> list[str]:
+def leave_world() -> None:
     """Tear down the default process group and everything that pins it. Idempotent.
 
     Callers must drop their own references (model, optimizer, mesh, pending futures; keep only
     the error string of a failed collective, never the exception) before calling this.
-
-    Returns the names of the old world's groups still alive after `settle_s` (normally none;
-    see the module docstring): their connections are still open, and the caller should end
-    the process rather than join another world with them.
     """
-    groups = _groups() if dist.is_initialized() else []
     if dist.is_initialized():
         dist.destroy_process_group()
     # Unnamed groups are named by a process-wide counter that destroy_process_group resets, but
@@ -113,8 +90,3 @@ def leave_world(settle_s: float = 1.0, poll_s: float = 0.005) -> list[str]:
     _clear_functools_caches()
     _clear_dtensor_caches()
     gc.collect()
-    deadline = time.monotonic() + settle_s
-    while any(ref() is not None for _, ref in groups) and time.monotonic() < deadline:
-        time.sleep(poll_s)  # a thread still in the old world ends (see the module docstring)
-        gc.collect()
-    return [name for name, ref in groups if ref() is not None]

@@ -14,8 +14,6 @@ with the agent is the WorkerControl service in proto/ultrascale/v1/agent.proto.
   of waiting for it) and asks for a generation again, backing off while the agent is silent.
 - A failure is reported with its kind: "peer" (a collective, the rendezvous or the agent
   failed) or "local" (this rank's own error), see trainer.failure_kind.
-- A worker that cannot free the world it left (trainer.teardown) exits with EXIT_REPLACE_ME,
-  so that its connections close; the agent gives its rank to the standby.
 
 Testing aid: `ULTRA_FAULT_FAIL_AT_STEP=N` [`ULTRA_FAULT_FAIL_NODES=node-1,...`] makes the
 worker raise a local `RuntimeError("injected fault at step N")` right after completing step N,
@@ -36,7 +34,7 @@ import ctypes
 import os
 import sys
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 
@@ -57,7 +55,7 @@ from trainer.failure_kind import classify_failure
 from trainer.fault_injection import FaultInjection
 from trainer.heartbeat import Heartbeat
 from trainer.shared_storage import check_shared
-from trainer.standby import EXIT_REPLACE_ME, await_role, is_standby
+from trainer.standby import await_role, is_standby
 from trainer.teardown import freeze_import_heap, leave_world
 
 PR_SET_NAME = 15
@@ -80,7 +78,6 @@ class Outcome:
     message: str = ""
     failure_kind: str = ""  # "peer" | "local" when failed
     failed_at: float = 0.0  # Unix time the failure reached this rank's top level
-    pinned: tuple[str, ...] = ()  # groups of the old world still alive after the teardown
 
 
 def name_process(name: str) -> None:
@@ -233,9 +230,9 @@ def run_one(
                                 outcome.failed_at)
         except AgentUnreachable as exc:
             _log(f"could not report the failure: {exc}")
-    pinned = leave_world()
+    leave_world()
     beat.update(0, "idle", 0)
-    return replace(outcome, pinned=tuple(pinned))
+    return outcome
 
 
 def next_backoff(previous: float | None, fault: FaultConfig) -> float:
@@ -281,14 +278,6 @@ def main() -> int:
         outcome = run_one(link, beat, gp, faults)
         fault = link.fault
         _log(f"generation {gp.generation} {outcome.kind} at step {outcome.step}")
-        if outcome.pinned:
-            # Its connections stay open while this process lives: peers still blocked on this
-            # rank would wait for their timeout. Exiting closes them; the agent replaces us.
-            _log(f"process group(s) {', '.join(outcome.pinned)} of generation {gp.generation} "
-                 "are still referenced after the teardown; exiting to be replaced")
-            beat.stop()
-            link.close()
-            return EXIT_REPLACE_ME
 
 
 if __name__ == "__main__":

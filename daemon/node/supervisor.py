@@ -34,8 +34,6 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from trainer.standby import EXIT_REPLACE_ME
-
 log = logging.getLogger(__name__)
 
 
@@ -44,7 +42,7 @@ class WorkerExit:
     local_rank: int
     pid: int
     returncode: int
-    expected: bool  # we asked it to go (stop/kill), or it exited 0 or EXIT_REPLACE_ME
+    expected: bool  # we asked it to go (stop/kill), or it exited 0
     log_path: Path
     error: str = ""  # the first lines of its error file, if it wrote one
 
@@ -183,8 +181,7 @@ class Supervisor:
         with contextlib.suppress(OSError):
             error = worker.error_path.read_text()[:2000]
         exit_ = WorkerExit(worker.local_rank, worker.proc.pid, code,
-                           worker.stopping or code in (0, EXIT_REPLACE_ME), worker.log_path,
-                           error)
+                           worker.stopping or code == 0, worker.log_path, error)
         (log.info if exit_.expected else log.error)(
             "worker local_rank=%d pid=%d exited with %d", exit_.local_rank, exit_.pid, code)
         self.on_exit(exit_)
