@@ -14,6 +14,13 @@ Tensors are counted by storage, each storage once: a view (or a tensor saved by 
 what its storage costs, and FSDP2's padded shards count with their padding. Parameters saved by
 an op (a weight kept for its input gradient) are not activations and are skipped.
 
+With saved-tensor hooks, autograd keeps what the hook packed (a Python object) instead of the bare
+tensor. A step that fails in a collective can leave part of its autograd graph alive past the
+teardown, and what was packed then keeps the old world's DeviceMesh and process groups alive
+with it (gloo closes a group's connections only when it is freed, so peers blocked on this rank
+wait for their timeout). Everything packed is wrapped, parameters too, and a step that raises
+empties every wrapper it made before the error leaves `track()`.
+
 On CUDA the allocator's peak (`torch.cuda.max_memory_allocated`) over the step is reported too:
 it includes what the kinds leave out (ZeRO-2/3's gathered parameters, communication buffers).
 """
@@ -21,6 +28,7 @@ it includes what the kinds leave out (ZeRO-2/3's gathered parameters, communicat
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -75,6 +83,7 @@ class SavedTensorCounter:
         self.live = 0
         self.peak = 0
         self._refs: dict[tuple[str, int], list[int]] = {}  # key -> [saved tensors, bytes]
+        self._packed: weakref.WeakSet[_Saved] = weakref.WeakSet()  # this step's, still held
 
     def reset(self) -> None:
         """Start a new peak from what is live now."""
@@ -82,14 +91,17 @@ class SavedTensorCounter:
 
     def _pack(self, t: torch.Tensor) -> Any:
         if _is_parameter(t):
-            return t
-        key, nbytes = _storage(t)
-        ref = self._refs.setdefault(key, [0, nbytes])
-        if ref[0] == 0:
-            self.live += nbytes
-            self.peak = max(self.peak, self.live)
-        ref[0] += 1
-        return _Saved(t, key, self)
+            saved = _Saved(t, None, self)  # not an activation: not counted
+        else:
+            key, nbytes = _storage(t)
+            ref = self._refs.setdefault(key, [0, nbytes])
+            if ref[0] == 0:
+                self.live += nbytes
+                self.peak = max(self.peak, self.live)
+            ref[0] += 1
+            saved = _Saved(t, key, self)
+        self._packed.add(saved)
+        return saved
 
     def _release(self, key: tuple[str, int]) -> None:
         ref = self._refs[key]
@@ -104,20 +116,31 @@ class SavedTensorCounter:
 
     @contextlib.contextmanager
     def track(self) -> Iterator[None]:
-        with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
-            yield
+        self._packed = weakref.WeakSet()
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
+                yield
+        except BaseException:
+            # Whatever autograd still holds of this step must not hold its tensors (see the
+            # module docstring); the step is abandoned, nothing will unpack them.
+            for saved in list(self._packed):
+                saved.tensor = None
+            raise
 
 
 class _Saved:
     """A saved tensor as autograd holds it; dropping it (backward is done with it) releases it."""
 
-    __slots__ = ("counter", "key", "tensor")
+    __slots__ = ("__weakref__", "counter", "key", "tensor")
 
-    def __init__(self, tensor: torch.Tensor, key: tuple[str, int], counter: SavedTensorCounter):
-        self.tensor, self.key, self.counter = tensor, key, counter
+    def __init__(self, tensor: torch.Tensor, key: tuple[str, int] | None,
+                 counter: SavedTensorCounter):
+        self.tensor: torch.Tensor | None = tensor
+        self.key, self.counter = key, counter  # key None: a parameter, not counted
 
     def __del__(self) -> None:
-        self.counter._release(self.key)
+        if self.key is not None:
+            self.counter._release(self.key)
 
 
 class MemoryMeter:

@@ -17,6 +17,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from torch.distributed.device_mesh import DeviceMesh
 
 from parallel.job import load
 from parallel.layout import resolve
@@ -98,3 +99,57 @@ def test_a_failed_join_does_not_shift_group_names():
                                 timeout=timedelta(seconds=1))
     leave_world()
     assert dist.distributed_c10d._world.group_count == fresh_name == 0
+
+
+def _dies_mid_step(rank: int, job: str, port: int, delay: float, out: str) -> None:
+    """Three ranks train with the memory meter on; rank 2 exits `delay` s into step 3."""
+    import threading
+    import weakref
+
+    from trainer.memory_meter import MemoryMeter
+
+    torch.set_num_threads(1)
+    freeze_import_heap()
+    cfg = load(job)
+    store = dist.TCPStore("127.0.0.1", port, 3, is_master=rank == 0, timeout=timedelta(seconds=60))
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=3,
+                            timeout=timedelta(seconds=30))
+    layout = resolve(cfg, 3)
+    mesh = build_mesh(layout, "cpu", timedelta(seconds=30))
+
+    def train(mesh: DeviceMesh) -> None:
+        trainer = Trainer(cfg, layout, mesh, torch.device("cpu"))
+        meter = MemoryMeter(trainer.model, trainer.optimizer, torch.device("cpu"))
+        for step in range(8):
+            if rank == 2 and step == 3:
+                threading.Timer(delay, os._exit, (0,)).start()
+            with meter.measure():
+                trainer.train_step()
+
+    try:
+        train(mesh)
+        error = ""
+    except RuntimeError as exc:
+        error = str(exc)[:200]
+    groups = [(name, weakref.ref(g)) for g, name in dist.distributed_c10d._world.pg_names.items()]
+    del mesh, store
+    leave_world()
+    torch.save({"error": error, "alive": [n for n, ref in groups if ref() is not None]},
+               f"{out}.{rank}")
+
+
+@pytest.mark.parametrize("delay", [0.02, 0.08])
+def test_a_step_that_fails_mid_way_leaves_no_group_alive(token_file: Path, tmp_path: Path,
+                                                         delay: float):
+    """A peer dies inside a step measured by the memory meter (whose saved-tensor hooks are what
+    autograd keeps of the step): the survivors' teardown frees every group of the old world,
+    so their connections close at once."""
+    job = tmp_path / "job.toml"
+    job.write_text(small_job_text(token_file))
+    out = tmp_path / "out"
+    mp.start_processes(_dies_mid_step, args=(str(job), _free_port(), delay, str(out)), nprocs=3,
+                       start_method="spawn")
+    for rank in (0, 1):
+        result = torch.load(f"{out}.{rank}")
+        assert result["error"], f"rank {rank} did not see rank 2 die"
+        assert result["alive"] == [], f"rank {rank}: groups {result['alive']} outlived the teardown"

@@ -42,3 +42,26 @@ def test_a_view_costs_its_whole_storage_and_the_peak_restarts_from_what_is_live(
 def test_storage_bytes_deduplicates_and_skips_none() -> None:
     a = torch.zeros(16)
     assert storage_bytes([a, a[:4], None, torch.zeros(2, dtype=torch.float64)]) == 64 + 16
+
+
+def test_a_step_that_raises_leaves_no_tensor_in_what_autograd_still_holds() -> None:
+    """The graph of an abandoned step may outlive it (a failed collective's, past the
+    teardown): what the hooks packed for it must not keep the tensors it saved, views of
+    parameters included (leaves are the graph's own business)."""
+    import gc
+    import weakref
+
+    counter = SavedTensorCounter()
+    weight = torch.nn.Parameter(torch.randn(4, 4))
+    x = torch.randn(2, 4, requires_grad=True)
+    graph: list[torch.Tensor] = []
+    refs: list[weakref.ref[torch.Tensor]] = []
+    with pytest.raises(RuntimeError, match="collective failed"), counter.track():
+        hidden, transposed = x * 2, weight.t()
+        refs += [weakref.ref(hidden), weakref.ref(transposed)]
+        graph.append(hidden @ transposed)  # saves both: an activation, a parameter's view
+        del hidden, transposed
+        raise RuntimeError("collective failed")
+    gc.collect()
+    assert graph[0].grad_fn is not None  # the graph is still held...
+    assert [r() for r in refs] == [None, None]  # ...but not what it saved
