@@ -158,12 +158,17 @@ class Leader:
         When a generation breaks, each of its members either reports (its workers' collectives
         failed) or is dead. Once every member has done one or the other there is no report left
         to wait for: the members that have not reported are probed at once, and the wait ends
-        when the rest have. Any other change (a join, say) waits out the whole debounce.
+        when the rest have. Any other change (a join, say) waits out the whole debounce, unless
+        a failure report arrives meanwhile: a wake for routine news (rank 0's progress, twice a
+        second) would otherwise hold a failure that follows it for up to the whole debounce.
         """
         deadline = time.monotonic() + self.debounce_s
         plan = self.view.plan
-        if plan is None or not self._reported(plan.generation):
+        if plan is None:
             await asyncio.sleep(self.debounce_s)
+            return
+        if not self._reported(plan.generation) and not await self.view.wait_for(
+                lambda: bool(self._reported(plan.generation)), timeout=self.debounce_s):
             return
         dead: set[str] = set()
 

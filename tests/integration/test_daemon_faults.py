@@ -171,11 +171,11 @@ async def _never_probe(address: str) -> bool:
     return True
 
 
-def test_a_fully_reported_failure_is_decided_without_the_debounce(etcd) -> None:
-    """Once every member of a failed generation has reported or does not answer a probe, the
-    leader's settling wait ends; while one that answers is still silent, it does not."""
+def _settle_scenario(etcd, namespace: str, body) -> None:
+    """Run `body(leader, view, report)` against a leader of a generation on nodes a, b, c whose
+    node b is dead (its probe fails), with a debounce no test waits out."""
     job = jobmod.loads(TINY_JOB)
-    keys = Keys("settle")
+    keys = Keys(namespace)
     dead_address = "192.0.2.7:1"
 
     async def probe(address: str) -> bool:
@@ -204,21 +204,49 @@ def test_a_fully_reported_failure_is_decided_without_the_debounce(etcd) -> None:
                 request = ControlRequest(ControlOp.FAILURE, node, generation=1, step=3)
                 await e.put(keys.control_request(f"failure-{node}"), request.to_json())
 
-            await report("a")
-            # _settle reads the view: one that has not seen the report yet waits the whole
-            # debounce (it would make this test fail on a slow watch, not on the leader).
-            assert await view.wait_for(lambda: leader._reported(1) == {"a"}, 5)
-            settling = asyncio.create_task(leader._settle())
-            # "c" answers its probe and has not reported: the wait goes on.
-            done, _ = await asyncio.wait({settling}, timeout=1.0)
-            assert not done
-            await report("c")  # "b" is dead (its probe fails): nothing is left to wait for
-            await asyncio.wait_for(settling, 10)
+            await body(leader, view, report)
             task.cancel()
         finally:
             await e.close()
 
     asyncio.run(scenario())
+
+
+def test_a_fully_reported_failure_is_decided_without_the_debounce(etcd) -> None:
+    """Once every member of a failed generation has reported or does not answer a probe, the
+    leader's settling wait ends; while one that answers is still silent, it does not."""
+
+    async def body(leader: Leader, view: ClusterView, report) -> None:
+        await report("a")
+        # _settle reads the view: one that has not seen the report yet waits for it (and would
+        # make this test fail on a slow watch, not on the leader).
+        assert await view.wait_for(lambda: leader._reported(1) == {"a"}, 5)
+        settling = asyncio.create_task(leader._settle())
+        # "c" answers its probe and has not reported: the wait goes on.
+        done, _ = await asyncio.wait({settling}, timeout=1.0)
+        assert not done
+        await report("c")  # "b" is dead (its probe fails): nothing is left to wait for
+        await asyncio.wait_for(settling, 10)
+
+    _settle_scenario(etcd, "settle", body)
+
+
+def test_a_failure_reported_during_a_routine_debounce_cuts_it_short(etcd) -> None:
+    """A settling wait begun for other news (rank 0's progress wakes the leader twice a
+    second) ends once a failure that arrives during it is fully reported, not after the
+    whole debounce."""
+
+    async def body(leader: Leader, view: ClusterView, report) -> None:
+        settling = asyncio.create_task(leader._settle())
+        done, _ = await asyncio.wait({settling}, timeout=0.5)
+        assert not done  # no report yet: a routine wake waits
+        await report("a")
+        done, _ = await asyncio.wait({settling}, timeout=1.0)
+        assert not done  # "c" answers its probe and has not reported
+        await report("c")
+        await asyncio.wait_for(settling, 10)
+
+    _settle_scenario(etcd, "settle-routine", body)
 
 
 def test_etcd_killed_and_restarted_agents_rewatch(cluster: Cluster) -> None:
