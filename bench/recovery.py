@@ -115,7 +115,8 @@ def _env() -> dict[str, str]:
             "PYTHONUNBUFFERED": "1"}
 
 
-def write_job(work: Path) -> Path:
+def write_job(work: Path, global_batch: int = GLOBAL_BATCH) -> Path:
+    """The benchmark job (`global_batch` scales a step's compute, not its state)."""
     import numpy as np
 
     from trainer.tokens import write_token_file
@@ -141,7 +142,7 @@ def write_job(work: Path) -> Path:
         path = "{data}"
         [train]
         steps = {STEPS}
-        global_batch = {GLOBAL_BATCH}
+        global_batch = {global_batch}
         seq_len = 32
         seed = 7
         lr = 1e-2

@@ -56,7 +56,7 @@ from trainer.fault_injection import FaultInjection
 from trainer.heartbeat import Heartbeat
 from trainer.shared_storage import check_shared
 from trainer.standby import await_role, is_standby
-from trainer.teardown import freeze_import_heap, leave_world
+from trainer.teardown import freeze_import_heap, leave_world, sever_connections
 
 PR_SET_NAME = 15
 
@@ -216,6 +216,8 @@ def run_one(
     # DCP's CheckpointException derives from BaseException, not Exception.
     except (Exception, CheckpointException) as exc:  # noqa: BLE001 - any error ends it
         failed_at = time.time()
+        if dist.is_initialized() and dist.get_backend() == "gloo":
+            sever_connections()  # peers blocked on this rank fail now (trainer/teardown.py)
         # Keep only the text: the exception's traceback pins the model and the old group.
         text = f"{type(exc).__name__}: {exc}"[:2000]
         outcome = Outcome("failed", generation.step, text, classify_failure(text), failed_at)

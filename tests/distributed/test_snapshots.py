@@ -24,7 +24,13 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
-from checkpoint.snapshot_format import METADATA_NAME, SnapshotInvalid, shard_name, step_dir
+from checkpoint.snapshot_format import (
+    MANIFEST_NAME,
+    METADATA_NAME,
+    SnapshotInvalid,
+    shard_name,
+    step_dir,
+)
 from checkpoint.snapshot_reader import load_snapshot, local_fetch
 from checkpoint.snapshot_store import SnapshotStore
 from checkpoint.snapshot_writer import rewrite_snapshot, save_snapshot
@@ -220,6 +226,18 @@ def _corrupted_transfer(fetch):
     return flipped
 
 
+def _manifest_lost_on_rank_1(fetch):
+    """A fetch that cannot read the manifest on rank 1 only: that rank fails before the ranks
+    agree, rank 0 verifies everything it needs; neither may load."""
+
+    def lost(file: str, offset: int, length: int) -> bytes:
+        if file == MANIFEST_NAME and dist.get_rank() == 1:
+            raise OSError("the agent holding it is gone")
+        return fetch(file, offset, length)
+
+    return lost
+
+
 def _local_state(trainer: Trainer) -> dict:
     state = {f"model.{k}": v for k, v in trainer.model.state_dict().items()}
     for i, per_param in enumerate(trainer.optimizer.state.values()):
@@ -242,6 +260,8 @@ def _load_damaged(rank: int, job: str, roots: dict[str, str], port: int, out: st
         fetch = local_fetch(Path(root), STEP)
         if case == "corrupted-transfer":
             fetch = _corrupted_transfer(fetch)
+        elif case == "manifest-lost-on-rank-1":
+            fetch = _manifest_lost_on_rank_1(fetch)
         try:
             load_snapshot(trainer.state, STEP, fetch)
             error = None
@@ -265,8 +285,9 @@ def test_damaged_snapshots_fail_every_rank_and_load_nothing(snapshot, tmp_path):
         shutil.copytree(step_dir(root, STEP), step_dir(copy, STEP))
         damage(step_dir(copy, STEP))
         roots[case] = str(copy)
-    # The last two read the intact snapshot: through a corrupting transfer, then plainly.
-    roots["corrupted-transfer"] = roots["intact"] = str(root)
+    # The last three read the intact snapshot: through a corrupting transfer, through a fetch
+    # that fails on one rank only, then plainly.
+    roots["corrupted-transfer"] = roots["manifest-lost-on-rank-1"] = roots["intact"] = str(root)
     try:
         mp.start_processes(
             _load_damaged, args=(str(job), roots, _free_port(), str(tmp_path)), nprocs=2,
@@ -277,6 +298,8 @@ def test_damaged_snapshots_fail_every_rank_and_load_nothing(snapshot, tmp_path):
             shutil.rmtree(roots[case], ignore_errors=True)
     expected = {case: pattern for case, (_, pattern) in DAMAGES.items()}
     expected["corrupted-transfer"] = rf"step {STEP}: file rank_00000.distcp \(rank 0\): checksum mismatch"
+    expected["manifest-lost-on-rank-1"] = (
+        rf"step {STEP}: {MANIFEST_NAME} could not be fetched: the agent holding it is gone")
     for rank in range(2):
         results = torch.load(tmp_path / f"damaged_{rank}.pt", weights_only=False)
         for case, pattern in expected.items():

@@ -153,3 +153,57 @@ def test_a_step_that_fails_mid_way_leaves_no_group_alive(token_file: Path, tmp_p
         result = torch.load(f"{out}.{rank}")
         assert result["error"], f"rank {rank} did not see rank 2 die"
         assert result["alive"] == [], f"rank {rank}: groups {result['alive']} outlived the teardown"
+
+
+def _blocked_on_a_survivor(rank: int, port: int, out: str) -> None:
+    """Rank 2 exits; rank 1's collective with it fails and rank 1 severs its connections but
+    keeps every group alive; rank 0 waits on a collective of rank 0 and 1 only."""
+    import time
+
+    from trainer.teardown import sever_connections
+
+    torch.set_num_threads(1)
+    store = dist.TCPStore("127.0.0.1", port, 3, is_master=rank == 0, timeout=timedelta(seconds=60))
+    # A long timeout: rank 0's wait must end by the severed connection, never by the timeout.
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=3,
+                            timeout=timedelta(seconds=120))
+    pair = dist.new_group([0, 1])
+    dist.barrier()
+    failed = Path(f"{out}.rank0-failed")
+    if rank == 2:
+        os._exit(0)
+    if rank == 0:
+        try:
+            dist.all_reduce(torch.ones(4), group=pair)  # rank 1 never takes part
+            error = ""
+        except RuntimeError as exc:
+            error = str(exc)[:200]
+        failed.write_text(error)
+        return
+    try:
+        dist.all_reduce(torch.ones(4))
+        error = ""
+    except RuntimeError as exc:
+        error = str(exc)[:200]
+    severed = sever_connections()
+    deadline = time.monotonic() + 30
+    while not failed.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    torch.save({"error": error, "severed": severed, "peer_failed": failed.exists()}, out)
+
+
+def test_a_failed_rank_severs_its_connections_so_peers_blocked_on_it_fail_at_once(
+        tmp_path: Path):
+    """gloo closes a group's connections only when the group is freed. A rank whose collective
+    failed severs them first: a peer waiting on it (not on the dead rank) fails while the rank
+    still holds every group, instead of at its process-group timeout."""
+    out = tmp_path / "out"
+    context = mp.start_processes(_blocked_on_a_survivor, args=(_free_port(), str(out)),
+                                 nprocs=3, start_method="spawn", join=False)
+    while not context.join():  # returns as each process ends (rank 1 within 30 s)
+        pass
+    result = torch.load(out)
+    assert result["error"], "rank 1 did not see rank 2 exit"
+    assert result["severed"] > 0
+    assert result["peer_failed"], "rank 0 stayed blocked on rank 1 after rank 1 severed"
+    assert (tmp_path / "out.rank0-failed").read_text(), "rank 0's collective returned"
