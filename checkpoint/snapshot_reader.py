@@ -313,6 +313,8 @@ def load_snapshot(
             raise SnapshotInvalid(reader.agreed) from None
         reason = "; ".join(sorted({f"{type(e).__name__}: {e}" for e, _ in
                                    exc.failures.values()}))[:2000] or str(exc)[:2000]
+    except Exception as exc:  # noqa: BLE001 - the state's own load_state_dict, outside DCP's
+        reason = f"{type(exc).__name__}: {exc}"[:2000]
     # Every rank agrees a second time (or, one that failed before the first agreement, for
     # the first time: the others then fail theirs and stop there).
     reasons = agree(reason)

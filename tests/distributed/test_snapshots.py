@@ -238,6 +238,10 @@ def _manifest_lost_on_rank_1(fetch):
     return lost
 
 
+def _fails(*_: object) -> None:
+    raise RuntimeError("the state refused it")
+
+
 def _local_state(trainer: Trainer) -> dict:
     state = {f"model.{k}": v for k, v in trainer.model.state_dict().items()}
     for i, per_param in enumerate(trainer.optimizer.state.values()):
@@ -262,11 +266,15 @@ def _load_damaged(rank: int, job: str, roots: dict[str, str], port: int, out: st
             fetch = _corrupted_transfer(fetch)
         elif case == "manifest-lost-on-rank-1":
             fetch = _manifest_lost_on_rank_1(fetch)
+        elif case == "load-fails-on-rank-0" and rank == 0:
+            # After the agreement, while the tensors are written: rank 1 loads, rank 0 fails.
+            trainer.state.load_state_dict = _fails
         try:
             load_snapshot(trainer.state, STEP, fetch)
             error = None
         except SnapshotInvalid as exc:
             error = str(exc)
+        vars(trainer.state).pop("load_state_dict", None)
         after = _local_state(trainer)
         unchanged = before.keys() == after.keys() and all(
             torch.equal(before[k], after[k]) for k in before
@@ -285,9 +293,10 @@ def test_damaged_snapshots_fail_every_rank_and_load_nothing(snapshot, tmp_path):
         shutil.copytree(step_dir(root, STEP), step_dir(copy, STEP))
         damage(step_dir(copy, STEP))
         roots[case] = str(copy)
-    # The last three read the intact snapshot: through a corrupting transfer, through a fetch
-    # that fails on one rank only, then plainly.
+    # The last four read the intact snapshot: through a corrupting transfer, through a fetch
+    # that fails on one rank only, plainly, and into a state that fails to take it on one rank.
     roots["corrupted-transfer"] = roots["manifest-lost-on-rank-1"] = roots["intact"] = str(root)
+    roots["load-fails-on-rank-0"] = str(root)  # last: it leaves rank 1's state loaded
     try:
         mp.start_processes(
             _load_damaged, args=(str(job), roots, _free_port(), str(tmp_path)), nprocs=2,
@@ -307,6 +316,10 @@ def test_damaged_snapshots_fail_every_rank_and_load_nothing(snapshot, tmp_path):
             assert error is not None, f"rank {rank} loaded {case}"
             assert re.search(pattern, error), f"rank {rank}, {case}: {error}"
             assert unchanged and step == 1, f"rank {rank}, {case}: state changed"
+        # A failure while the tensors are written fails every rank too (the state of a rank
+        # that wrote them is then the caller's to replace: it falls back to the next tier).
+        error, _, _ = results["load-fails-on-rank-0"]
+        assert error is not None and "RuntimeError: the state refused it" in error, (rank, error)
         error, unchanged, step = results["intact"]
         assert error is None and not unchanged and step == STEP, f"rank {rank}: {error}"
 
