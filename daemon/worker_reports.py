@@ -11,6 +11,7 @@ from daemon.control.records import RestoreRecord
 from daemon.control.snapshot_steps import newest_complete
 from daemon.control.view import ClusterView
 from daemon.node.progress import ProgressWriter
+from daemon.node.snapshot_keeper import SnapshotKeeper
 from daemon.node.watchdog import HangDetector
 from daemon.recovery_phases import RecoveryPhases
 from parallel.planner import Plan
@@ -26,6 +27,7 @@ class WorkerReports:
     metrics: Metrics
     progress: ProgressWriter
     recovery: RecoveryPhases
+    snapshots: SnapshotKeeper | None
 
     def handed(self, local_rank: int, generation: int) -> None:
         self.hangs.beat(local_rank, generation, "idle" if not generation else "join", 0,
@@ -55,11 +57,15 @@ class WorkerReports:
                                  snapshot_complete=self._snapshot_complete())
 
     def _snapshot_complete(self) -> int:
-        """The newest snapshot step two live nodes or more hold entirely (-1: none)."""
-        view = self.view
+        """The newest snapshot step of the running generation two live nodes or more hold
+        entirely (-1: none known)."""
+        view, plan = self.view, self.view.plan
+        if plan is None or plan.generation != view.generation:
+            return -1
         revision = view.spec.mod_revision if view.spec else 0
         return newest_complete({n: h for n, h in view.snapshots.items()
-                                if n in view.nodes and h.spec_revision == revision})
+                                if n in view.nodes and h.spec_revision == revision},
+                               plan.generation, plan.nodes)
 
     def on_checkpoint(self, report: pb.CheckpointReport) -> None:
         if report.global_rank == 0:
@@ -69,6 +75,8 @@ class WorkerReports:
     def on_restore(self, report: pb.RestoreReport) -> None:
         if self._reporting_rank(report.local_rank):
             self.recovery.restored(report.generation, time.monotonic())
+            if self.snapshots is not None:  # that rank freed the newer snapshots first
+                self.snapshots.restored(report.generation, report.step)
         if report.global_rank == 0:
             record = restore_record(report, self.view.plan)
             self.metrics.observe_restore(record)

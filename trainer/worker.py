@@ -147,11 +147,12 @@ class Generation:
             if snapshot_root else None
         restored = driver.restore_planned(plan.restore, fetch)
         self.step = driver.step
-        self.link.report_restore(gp, restored)
         mine = [r.local_rank for r in plan.ranks_of(node)]
         if snapshot_root is not None and mine and gp.local_rank == min(mine):
             # Newer snapshots on this node belong to a history the restore went back from.
+            # Before the report: from it, the agent counts newer steps as this generation's.
             SnapshotStore(snapshot_root).free_after(driver.step)
+        self.link.report_restore(gp, restored)
         if gp.global_rank == 0:
             what = f"{restored.name} (step {driver.step})" if restored.name else "nothing: step 0"
             skipped = f" (snapshot skipped: {restored.skipped})" if restored.skipped else ""

@@ -146,6 +146,7 @@ class Progress(Record):
     time: float = 0.0        # wall clock of the writer
     # The newest complete snapshot step as rank 0's agent saw the holdings at this step: every
     # shard and the manifest held by two nodes at least (daemon/control/snapshot_steps.py).
+    # -1: none known yet in this generation.
     snapshot_complete: int = -1
 
 
@@ -191,6 +192,10 @@ class SnapshotHoldings(Record):
     address: str = ""             # where peers read it (the agent's gRPC address)
     steps: tuple[HeldStep, ...] = ()
     spec_revision: int = 0        # the job submission they are snapshots of
+    # This node's unbroken run of replicated steps in `generation` (daemon/node/replication_run.py)
+    generation: int = 0
+    replicated_since: int = -1
+    replicated_through: int = -1  # -1: none yet
 
 
 @dataclass(frozen=True)

@@ -4,7 +4,8 @@ Pure functions of `snapshots/<node>` records (daemon/control/records.py), unit-t
 - assemblable: every shard, the manifest and DCP's metadata are held by some live node, so a
   restore can read it now;
 - complete: every shard and the manifest are held by two nodes at least (a primary and a buddy
-  copy), so the step survives the loss of any one node.
+  copy), so the step survives the loss of any one node; judged from the runs of replicated
+  steps the members publish with their holdings.
 """
 
 from __future__ import annotations
@@ -44,21 +45,23 @@ def newest_assemblable(holdings: Mapping[str, SnapshotHoldings]) -> tuple[int, t
     return -1, ()
 
 
-def newest_complete(holdings: Mapping[str, SnapshotHoldings]) -> int:
-    """The newest step whose every shard and manifest two nodes or more hold; -1: none."""
-    by_step = _by_step(holdings)
-    for step in sorted(by_step, reverse=True):
-        parts = by_step[step]
-        world = _world(parts)
-        if world is None or sum(held.metadata for _, held in parts) < 2:
-            continue
-        copies = {rank: 0 for rank in range(world)}
-        for _, held in parts:
-            for rank in set(held.ranks) & copies.keys():
-                copies[rank] += 1
-        if min(copies.values(), default=0) >= 2:
-            return step
-    return -1
+def newest_complete(holdings: Mapping[str, SnapshotHoldings], generation: int,
+                    members: Iterable[str]) -> int:
+    """The newest step of `generation` whose every shard and manifest two nodes or more hold:
+    the newest step inside every member's run of replicated steps (daemon/node/
+    replication_run.py); -1: none known. A run names only steps whose part reached another
+    node, so it stays true while its publication lags; two nodes' lists of held steps, each
+    published on its own clock, need not overlap at all."""
+    runs = []
+    for node in set(members):
+        h = holdings.get(node)
+        if h is None or h.generation != generation or h.replicated_through < 0:
+            return -1
+        runs.append((h.replicated_since, h.replicated_through))
+    if len(runs) < 2:
+        return -1  # one node can never hold a second copy
+    through = min(t for _, t in runs)
+    return through if through >= max(s for s, _ in runs) else -1
 
 
 def peers_holding(holdings: Mapping[str, SnapshotHoldings], step: int, rank: int | None,

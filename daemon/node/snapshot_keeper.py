@@ -4,7 +4,8 @@ Workers write each snapshot step into the node's shared memory (`root`); the kee
 the agent, then
 - replicates every shard this node's workers wrote to the node's **buddy** (the next node of
   the running generation, in name order, that is alive) and the coordinator's `.metadata` and
-  manifest to every member, over the peers' SnapshotPeer service;
+  manifest to every member, over the peers' SnapshotPeer service (daemon/node/
+  snapshot_replicator.py), and follows how far that got in the running generation;
 - answers what the node holds (`holdings`, asked by the leader before it writes a generation,
   which plans a restore from the newest step the live members can assemble), and publishes it
   (`snapshots/<node>`, under the agent's lease, so it vanishes with the node) at most once a
@@ -27,7 +28,7 @@ import os
 import secrets
 import shutil
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Callable
 from pathlib import Path
 
 from checkpoint.snapshot_format import (
@@ -35,7 +36,6 @@ from checkpoint.snapshot_format import (
     METADATA_NAME,
     FileEntry,
     SnapshotManifest,
-    chunk_checksums,
     parse_step_dir,
     read_held,
     record_name,
@@ -49,23 +49,21 @@ from daemon.config import AgentConfig
 from daemon.control.etcd_client import ETCD_ERRORS, Etcd
 from daemon.control.keys import Keys
 from daemon.control.records import HeldStep, SnapshotHoldings
-from daemon.control.snapshot_steps import buddy_of, newest_assemblable, peers_holding
+from daemon.control.snapshot_steps import newest_assemblable, peers_holding
 from daemon.control.view import ClusterView
 from daemon.node.snapshot_files import (
     Incoming,
     ParsedFiles,
     ensure_metadata,
-    file_pieces,
     listdir,
     parse_step_manifest,
     size_of,
     verify_incoming,
 )
+from daemon.node.snapshot_replicator import Replicator, Send
 
 log = logging.getLogger(__name__)
 
-# send(address, header, pieces): one PutFile call to a peer (api/snapshot_service.py).
-Send = Callable[[str, Incoming, AsyncIterator[bytes]], Awaitable[None]]
 # on_held(bytes held here, newest step the live members can assemble (-1: none), job's step)
 OnHeld = Callable[[int, int, int], None]
 
@@ -80,9 +78,8 @@ class SnapshotKeeper:
         self.view, self.etcd, self.keys = view, etcd, keys
         self.send, self.lease, self.keep, self.poll_s = send, lease, keep, poll_s
         self.wake = asyncio.Event()
-        self._sent: dict[tuple[int, str], set[str]] = {}  # (step, file) -> nodes holding a copy
+        self.replicator = Replicator(node, view, send)
         self._received: set[tuple[int, str]] = set()
-        self._metadata_sent: dict[str, tuple[int, object]] = {}  # node -> (size, chunks) it has
         self._published: tuple[int, SnapshotHoldings] | None = None  # (lease, holdings)
         self.publish_s = publish_s
         self._published_at = 0.0  # monotonic time of the last publication
@@ -91,8 +88,7 @@ class SnapshotKeeper:
         self._spec_revision = 0  # the job submission the snapshots here belong to
         self._parsed = ParsedFiles()
         self._last_signature: tuple[object, ...] = ()
-        self._retry = False  # a send or publication failed: work again at the next poll
-        self._failing: set[str] = set()  # peers the last send to failed
+        self._retry = False  # a publication failed: work again at the next poll
         self.bytes_held = 0
 
     @classmethod
@@ -125,11 +121,11 @@ class SnapshotKeeper:
                     await self.wake.wait()
             self.wake.clear()
             signature = self._signature()
-            changed = signature != self._last_signature or self._retry
+            changed = signature != self._last_signature or self._retry or self.replicator.retry
             if changed:
                 # Something changed here (a file written, received or freed) or in the
                 # cluster (a new generation, a node came or went), or a send must be retried.
-                self._retry = False
+                self._retry = self.replicator.retry = False
                 self._follow_job()
                 await self._replicate()
                 self._prune()
@@ -168,10 +164,20 @@ class SnapshotKeeper:
             if self._spec_revision:
                 self.clear()
                 self.root.mkdir(parents=True, exist_ok=True)
-                self._sent.clear()
+                self.replicator.forget()
                 self._received.clear()
-                self._metadata_sent.clear()
             self._spec_revision = revision
+
+    def restored(self, generation: int, step: int) -> None:
+        """This node's workers of `generation` restored `step` and freed every newer one (on
+        every member): what was sent or received of those steps was the replaced history's."""
+        run = self.replicator.run
+        if generation == run.generation:
+            return
+        run.follow(generation, step)
+        self.replicator.forget(newer_than=step)
+        self._received = {k for k in self._received if k[0] <= step}
+        self.wake.set()
 
     async def _ensure_secret(self) -> None:
         """The job's peer secret: created once, by whichever agent gets there first."""
@@ -250,7 +256,10 @@ class SnapshotKeeper:
 
     def holdings(self) -> SnapshotHoldings:
         """What this node holds now."""
-        return SnapshotHoldings(self.node, self.address, self.held(), self._spec_revision)
+        run = self.replicator.run
+        since, through = run.span()
+        return SnapshotHoldings(self.node, self.address, self.held(), self._spec_revision,
+                                run.generation, since, through)
 
     # -- receiving ----------------------------------------------------------------------------
 
@@ -272,73 +281,22 @@ class SnapshotKeeper:
 
     # -- replicating --------------------------------------------------------------------------
 
-    def _buddy(self) -> str | None:
-        plan = self.view.plan
-        return buddy_of(self.node, plan.nodes, self.view.nodes) if plan is not None else None
-
     async def _replicate(self) -> None:
         steps = self._steps()
-        buddy = self._buddy()
         for step in sorted(steps)[-(self.keep + 1):]:
             directory = steps[step]
             names = set(listdir(directory))
-            manifest = self._manifest(directory, step) if MANIFEST_NAME in names else None
+            shards = []
             for name in sorted(names):
                 rank = shard_rank(name)
-                if rank is None or (step, name) in self._received or buddy is None:
+                if rank is None or (step, name) in self._received:
                     continue
                 entry = self._record(directory, rank)
                 if entry is not None and size_of(directory / name) == entry.size:
-                    await self._send_to(buddy, step, directory, entry)
-            if manifest is not None and (step, MANIFEST_NAME) not in self._received:
-                await self._send_manifest(step, directory, manifest)
-
-    async def _send_manifest(self, step: int, directory: Path,
-                             manifest: SnapshotManifest) -> None:
-        """The coordinator's node: .metadata, then the manifest, to every member. The metadata
-        is the same for every step of a generation: a member sent it for an earlier step links
-        that copy when the manifest arrives (and refuses the manifest when it cannot)."""
-        plan, metadata = self.view.plan, manifest.file(METADATA_NAME)
-        for node in sorted(set(plan.nodes) if plan else ()):
-            if node == self.node or node not in self.view.nodes \
-                    or node in self._sent.get((step, MANIFEST_NAME), ()):
-                continue
-            if self._metadata_sent.get(node) != (metadata.size, metadata.chunks):
-                if not await self._send_to(node, step, directory, metadata):
-                    continue
-                self._metadata_sent[node] = (metadata.size, metadata.chunks)
-            try:
-                blob = (directory / MANIFEST_NAME).read_bytes()
-            except FileNotFoundError:
-                return  # the step was freed meanwhile (a restore, a new job)
-            if not await self._send_to(node, step, directory, FileEntry(
-                    MANIFEST_NAME, -1, len(blob), chunk_checksums(blob))):
-                self._metadata_sent.pop(node, None)  # send it again with the next try
-
-    async def _send_to(self, node: str, step: int, directory: Path, entry: FileEntry) -> bool:
-        """Whether `node` has the file now (sent before, or by this call)."""
-        done = self._sent.setdefault((step, entry.path), set())
-        member = self.view.nodes.get(node)
-        if node in done:
-            return True
-        header = Incoming(step, entry.path, entry.size, entry.chunks, entry.rank)
-        if member is None or size_of(directory / entry.path) != entry.size:
-            return False  # gone, or the file was freed meanwhile
-        try:
-            await self.send(member.record.address, header, file_pieces(directory / entry.path))
-        except Exception as exc:  # noqa: BLE001 - a peer's failure must not end the keeper
-            # Once per peer until a send works again: retries come every poll.
-            (log.debug if node in self._failing else log.warning)(
-                "snapshot step %d: sending %s to %s failed: %s", step, entry.path, node,
-                str(exc)[:300])
-            self._failing.add(node)
-            self._retry = True
-            return False
-        if node in self._failing:
-            self._failing.discard(node)
-            log.info("snapshot step %d: sending to %s works again", step, node)
-        done.add(node)
-        return True
+                    shards.append(entry)
+            manifest = self._manifest(directory, step) if MANIFEST_NAME in names and \
+                (step, MANIFEST_NAME) not in self._received else None
+            await self.replicator.replicate(step, directory, shards, manifest)
 
     # -- retention and publication ------------------------------------------------------------
 
@@ -358,8 +316,7 @@ class SnapshotKeeper:
         for step in steps:
             if step < oldest_kept:
                 shutil.rmtree(steps[step], ignore_errors=True)
-        for key in [k for k in self._sent if k[0] < oldest_kept]:
-            del self._sent[key]
+        self.replicator.forget_older(oldest_kept)
         live = {steps[s] for s in steps if s >= oldest_kept}
         self._parsed.keep_only(live)
         self._received = {k for k in self._received if k[0] >= oldest_kept}
@@ -370,7 +327,10 @@ class SnapshotKeeper:
         lease = self.lease()
         if not lease:
             return
-        context = (lease, self._spec_revision, self.view.generation)
+        # A generation's restore, and its first replicated step, are news at once.
+        run = self.replicator.run
+        context = (lease, self._spec_revision, self.view.generation, run.generation,
+                   run.span()[1] >= 0)
         now = time.monotonic()
         # Within the period, not even a look (listing what is held costs stats and parses).
         self._unpublished = context == self._published_for and \

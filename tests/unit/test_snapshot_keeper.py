@@ -248,3 +248,77 @@ def test_holdings_are_published_at_most_once_a_period_but_at_once_for_a_new_gene
     asyncio.run(scenario())
     published = [SnapshotHoldings.from_json(v).steps for v in etcd.values]
     assert published == [(HeldStep(5, (0,), 0, False),), (HeldStep(5, (0, 1), 0, False),)]
+
+
+def _two_node_view(generation: int) -> SimpleNamespace:
+    """Node a runs rank 0 (and so writes the manifest), b rank 1; both alive."""
+    ranks = {"a": (SimpleNamespace(global_rank=0),), "b": (SimpleNamespace(global_rank=1),)}
+    plan = SimpleNamespace(nodes=("a", "b"), ranks_of=lambda node: ranks.get(node, ()),
+                           generation=generation)
+    member = SimpleNamespace(record=SimpleNamespace(address="b:1"))
+    return SimpleNamespace(snapshots={}, nodes={"a": member, "b": member}, plan=plan,
+                           generation=generation)
+
+
+def test_the_run_of_replicated_steps_follows_what_the_buddy_acknowledged(root):
+    view = _two_node_view(generation=2)
+    sent: list[tuple[int, str]] = []
+    refuse = {"on": False}
+
+    async def send(address, header, pieces) -> None:
+        async for _ in pieces:
+            pass
+        if refuse["on"]:
+            raise ConnectionError("b is unreachable")
+        sent.append((header.step, header.file))
+
+    k = SnapshotKeeper(root, "a", "a:1", view, None, None, send, lambda: 0)  # type: ignore[arg-type]
+
+    def run_of() -> tuple[int, int, int]:
+        h = k.holdings()
+        return h.generation, h.replicated_since, h.replicated_through
+
+    async def scenario() -> None:
+        k.restored(2, 8)
+        make_step(root, 9, [100])
+        await k._replicate()
+        assert set(sent) == {(9, shard_name(0)), (9, METADATA_NAME), (9, MANIFEST_NAME)}
+        assert run_of() == (2, 9, 9)
+        refuse["on"] = True
+        make_step(root, 10, [100])
+        await k._replicate()
+        assert run_of() == (2, 9, 9)  # step 10 is on this node only
+        assert k.replicator.retry
+        refuse["on"] = False
+        await k._replicate()
+        assert run_of() == (2, 9, 10)
+        # Generation 3 restored step 9: the workers freed step 10 and train it again. It is
+        # a new step 10, sent again, and the new run starts after the restored step.
+        k.restored(3, 9)
+        assert run_of() == (3, -1, -1)
+        shutil.rmtree(step_dir(root, 10))
+        make_step(root, 10, [100])
+        await k._replicate()
+        assert sent.count((10, shard_name(0))) == 2
+        assert run_of() == (3, 10, 10)
+
+    asyncio.run(scenario())
+
+
+def test_a_copy_received_before_a_restore_is_not_taken_for_a_peers_afterwards(root):
+    """Generation 2's rank 0 ran on another node whose shard this node kept; from generation 3
+    this node runs rank 0, and its own step 10 must go to its buddy."""
+    view = _two_node_view(generation=3)
+    sent: list[tuple[int, str]] = []
+
+    async def send(address, header, pieces) -> None:
+        sent.append((header.step, header.file))
+
+    k = SnapshotKeeper(root, "a", "a:1", view, None, None, send, lambda: 0)  # type: ignore[arg-type]
+    data = b"y" * 100
+    k.store(header(10, 0, data), data)
+    k.restored(3, 9)
+    shutil.rmtree(step_dir(root, 10))  # the restoring worker freed it
+    make_step(root, 10, [100])
+    asyncio.run(k._replicate())
+    assert (10, shard_name(0)) in sent

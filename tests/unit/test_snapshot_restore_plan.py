@@ -3,6 +3,8 @@ members hold in memory (daemon/control/snapshot_steps.py), and when a step is co
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from daemon.control.decide import decide
@@ -62,29 +64,41 @@ def test_manifests_that_disagree_on_the_world_size_are_not_trusted():
 
 def test_nothing_held():
     assert newest_assemblable({}) == (-1, ())
-    assert newest_complete({}) == -1
+    assert newest_complete({}, 1, ("a", "b")) == -1
 
 
-def test_a_step_is_complete_once_every_shard_and_the_manifest_have_two_copies():
-    held = ring_of_three(12)
-    assert newest_complete(held) == 12
-    # Step 13: c's shard is only on c so far (its buddy copy on a is on its way).
-    held["a"] = holds("a", HeldStep(13, (0,), 3, True), *held["a"].steps)
-    held["b"] = holds("b", HeldStep(13, (0, 1), 3, True), *held["b"].steps)
-    held["c"] = holds("c", HeldStep(13, (1, 2), 3, True), *held["c"].steps)
-    assert newest_assemblable(held)[0] == 13  # readable now ...
-    assert newest_complete(held) == 12        # ... but not yet safe from losing c
-    held["a"] = holds("a", HeldStep(13, (0, 2), 3, True), *held["a"].steps[1:])
-    assert newest_complete(held) == 13
+def runs(generation: int = 1, **spans: tuple[int, int]) -> dict[str, SnapshotHoldings]:
+    """Each node's published run of replicated steps, and nothing held (it does not count)."""
+    return {node: SnapshotHoldings(node, f"{node}:1", (), REV, generation, since, through)
+            for node, (since, through) in spans.items()}
 
 
-def test_a_manifest_on_one_node_only_is_not_complete():
-    held = {"a": holds("a", HeldStep(5, (0, 1), 2, True)),
-            "b": holds("b", HeldStep(5, (0, 1), 0, False))}
-    assert newest_assemblable(held)[0] == 5
-    assert newest_complete(held) == -1
-    # A single node can never make a step complete: there is no second copy.
-    assert newest_complete({"a": holds("a", HeldStep(5, (0,), 1, True))}) == -1
+def test_a_step_is_complete_once_inside_every_members_run_of_replicated_steps():
+    # Published at different moments: a's says 9..14, b's (older) 9..10, c's 9..12.
+    held = runs(a=(9, 14), b=(9, 10), c=(9, 12))
+    assert newest_complete(held, 1, ("a", "b", "c")) == 10
+    # Nothing the members hold now overlaps (a holds 13-14, b 9-10): the runs still tell.
+    held = runs(a=(9, 14), b=(9, 10))
+    held["a"] = dataclasses.replace(held["a"], steps=(HeldStep(13, (0, 1), 2, True),
+                                                      HeldStep(14, (0, 1), 2, True)))
+    assert newest_complete(held, 1, ("a", "b")) == 10
+
+
+def test_a_member_without_a_run_in_this_generation_means_nothing_is_known_complete():
+    assert newest_complete(runs(a=(9, 14), b=(-1, -1)), 1, ("a", "b")) == -1
+    assert newest_complete(runs(a=(9, 14)), 1, ("a", "b")) == -1       # b published nothing
+    old = runs(a=(9, 14)) | runs(0, b=(3, 8))                            # b's is generation 0's
+    assert newest_complete(old, 1, ("a", "b")) == -1
+    # Non-members do not count, and a single member can never hold a second copy.
+    assert newest_complete(runs(a=(9, 14), b=(9, 10), z=(-1, -1)), 1, ("a", "b")) == 10
+    assert newest_complete(runs(a=(9, 14)), 1, ("a",)) == -1
+
+
+def test_runs_that_do_not_meet_name_no_complete_step():
+    """b's part of step 12 never reached its buddy: its run restarted at 13. a's publication
+    still ends at 11, so no step lies in both."""
+    assert newest_complete(runs(a=(9, 11), b=(13, 15)), 1, ("a", "b")) == -1
+    assert newest_complete(runs(a=(9, 16), b=(13, 15)), 1, ("a", "b")) == 15
 
 
 def failed_b(**changes):
