@@ -6,7 +6,7 @@ torch.distributed: DTensor's sharding-propagation caches (Python and the C++ fas
 `functools` caches of redistribute planning and mesh topology, and others. Measured on this
 machine: clearing only some of them does not free the mesh; clearing every cache under
 torch.distributed does. This depends on torch internals, so it
-lives in this one function and a test checks threads, fds and sockets return to baseline.
+lives in this module and a test checks threads, fds and sockets return to baseline.
 
 The collections that free the old world must traverse every object the process holds, and after
 `import torch` that is hundreds of thousands of them: two full collections took 0.6 s of a
@@ -21,6 +21,9 @@ would learn of the failure only then. On the recovery benchmark, one survivor in
 five failed 80 ms after the other for that reason, and the leader waits for both. So a worker
 whose gloo world failed first severs its connections (`sever_connections`): the peers' reads
 then fail at once, as they would if this process had died, and the teardown follows.
+
+With the connections severed, nothing needs the old world freed before the next join, only
+unreachable from the new one: `Teardown` frees it after the next generation's first step.
 """
 
 from __future__ import annotations
@@ -31,28 +34,10 @@ import os
 import socket
 import sys
 import warnings
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
-
-
-def _clear_functools_caches() -> None:
-    """Every functools cache of torch.distributed's modules and their classes."""
-    with warnings.catch_warnings():  # touching deprecated module attributes warns
-        warnings.simplefilter("ignore")
-        for name, module in list(sys.modules.items()):
-            if module is None or not name.startswith("torch.distributed"):
-                continue
-            for obj in list(vars(module).values()):
-                targets = [obj]
-                if isinstance(obj, type):
-                    targets = [getattr(v, "__func__", v) for v in vars(obj).values()]
-                for target in targets:
-                    clear = getattr(target, "cache_clear", None)
-                    if callable(clear):
-                        # a class with a cache_clear method, not a cache, needs an instance
-                        with contextlib.suppress(TypeError):
-                            clear()
 
 
 def _clear_dtensor_caches() -> None:
@@ -112,20 +97,79 @@ def freeze_import_heap() -> None:
     gc.freeze()
 
 
-def leave_world() -> None:
-    """Tear down the default process group and everything that pins it. Idempotent.
+def _cache_clears(module: object) -> list[Callable[[], None]]:
+    """The `cache_clear` of every functools cache of `module` and of its classes."""
+    found = []
+    for obj in list(vars(module).values()):
+        targets = [obj]
+        if isinstance(obj, type):
+            targets = [getattr(v, "__func__", v) for v in vars(obj).values()]
+        for target in targets:
+            clear = getattr(target, "cache_clear", None)
+            if callable(clear):
+                found.append(clear)
+    return found
 
-    Callers must drop their own references (model, optimizer, mesh, pending futures; keep only
-    the error string of a failed collective, never the exception) before calling this.
+
+class Teardown:
+    """Leaving worlds, in two parts: `leave` before the next join, `release` once it trained.
+
+    Freeing the old world (its gloo groups join their threads and close their sockets) took
+    about half of a survivor's teardown, and finding torch.distributed's caches (a walk over
+    every attribute of ~200 modules) most of the rest; both sat between a failure and the next
+    join. So `leave` keeps the old world's process groups alive in `held`, clears the caches
+    (known from `refresh`, which walks only modules it has not seen yet) and collects the old
+    model and optimizer; `release` frees the groups, at the end of the next generation's first
+    step or when this rank has no part in it.
     """
-    if dist.is_initialized():
-        dist.destroy_process_group()
-    # Unnamed groups are named by a process-wide counter that destroy_process_group resets, but
-    # a join that failed inside init_process_group has already bumped it with no group left to
-    # destroy. A survivor of such a join would then name its groups differently from a fresh
-    # process and the next rendezvous would wait on keys nobody writes.
-    dist.distributed_c10d._world.group_count = 0
-    gc.collect()
-    _clear_functools_caches()
-    _clear_dtensor_caches()
-    gc.collect()
+
+    def __init__(self) -> None:
+        self._clears: list[Callable[[], None]] = []
+        self._seen: set[str] = set()
+        self.held: list[object] = []  # process groups of worlds left and not yet released
+
+    def refresh(self) -> None:
+        """Learn the caches of torch.distributed modules imported since the last call. Call it
+        off the critical path: at start, and after a step (a step may import modules)."""
+        with warnings.catch_warnings():  # touching deprecated module attributes warns
+            warnings.simplefilter("ignore")
+            for name, module in list(sys.modules.items()):
+                if name in self._seen or module is None:
+                    continue
+                self._seen.add(name)
+                if name.startswith("torch.distributed"):
+                    self._clears.extend(_cache_clears(module))
+
+    def leave(self) -> None:
+        """Tear down the default process group and everything that pins it. Idempotent.
+
+        Callers must drop their own references (model, optimizer, mesh, pending futures; keep
+        only the error string of a failed collective, never the exception) before calling this.
+        """
+        if dist.is_initialized():
+            self.held.extend(dist.distributed_c10d._world.pg_map)
+            dist.destroy_process_group()
+        # Unnamed groups are named by a process-wide counter that destroy_process_group resets,
+        # but a join that failed inside init_process_group has already bumped it with no group
+        # left to destroy. A survivor of such a join would then name its groups differently
+        # from a fresh process and the next rendezvous would wait on keys nobody writes.
+        dist.distributed_c10d._world.group_count = 0
+        self.refresh()
+        for clear in self._clears:
+            with contextlib.suppress(TypeError):  # a class's cache_clear method: not a cache
+                clear()
+        _clear_dtensor_caches()
+        gc.collect()
+
+    def release(self) -> None:
+        """Free the worlds left so far (no-op when there are none)."""
+        if self.held:
+            self.held.clear()
+            gc.collect()
+
+
+def leave_world() -> None:
+    """Leave the world and free it at once (`Teardown.leave` then `release`)."""
+    teardown = Teardown()
+    teardown.leave()
+    teardown.release()

@@ -56,7 +56,7 @@ from trainer.fault_injection import FaultInjection
 from trainer.heartbeat import Heartbeat
 from trainer.shared_storage import check_shared
 from trainer.standby import await_role, is_standby
-from trainer.teardown import freeze_import_heap, leave_world, sever_connections
+from trainer.teardown import Teardown, freeze_import_heap, sever_connections
 
 PR_SET_NAME = 15
 
@@ -107,9 +107,11 @@ class Generation:
     """This rank's part in one generation. Holds no reference to the world once `run` returns."""
 
     def __init__(
-        self, link: AgentLink, beat: Heartbeat, gp: pb.GenerationPlan, faults: FaultInjection | None
+        self, link: AgentLink, beat: Heartbeat, gp: pb.GenerationPlan, faults: FaultInjection | None,
+        teardown: Teardown,
     ) -> None:
         self.link, self.beat, self.gp, self.faults = link, beat, gp, faults
+        self.teardown = teardown
         self.step = 0  # steps completed, for a failure report
 
     def run(self) -> Outcome:
@@ -165,6 +167,7 @@ class Generation:
     def _train(self, driver: GenerationDriver) -> Outcome:
         gp, beat, link = self.gp, self.beat, self.link
         checkpoint_seq_done = 0  # checkpoint requests are counted per generation
+        first = True
         while driver.step < driver.last_step:
             beat.update(gp.generation, "step", driver.step)
             result = driver.train_step()
@@ -196,6 +199,10 @@ class Generation:
                 driver.snapshot()
                 beat.phase("step")
             self._report_commits(driver)
+            if first:  # the step is in: free the worlds left before, learn new caches
+                first = False
+                self.teardown.release()
+                self.teardown.refresh()
         finished = driver.step >= driver.last_step
         beat.phase("checkpoint")
         driver.save_durably()
@@ -209,9 +216,10 @@ class Generation:
 
 
 def run_one(
-    link: AgentLink, beat: Heartbeat, gp: pb.GenerationPlan, faults: FaultInjection | None
+    link: AgentLink, beat: Heartbeat, gp: pb.GenerationPlan, faults: FaultInjection | None,
+    teardown: Teardown,
 ) -> Outcome:
-    generation = Generation(link, beat, gp, faults)
+    generation = Generation(link, beat, gp, faults, teardown)
     try:
         outcome = generation.run()
     # DCP's CheckpointException derives from BaseException, not Exception.
@@ -233,7 +241,9 @@ def run_one(
                                 outcome.failed_at)
         except AgentUnreachable as exc:
             _log(f"could not report the failure: {exc}")
-    leave_world()
+    teardown.leave()  # what a next generation needs; freeing the old world can wait
+    if outcome.kind == "done":
+        teardown.release()  # the job is over: no next generation to wait for
     beat.update(0, "idle", 0)
     return outcome
 
@@ -247,6 +257,8 @@ def main() -> int:
     die_with_agent()  # again: also without ULTRA_AGENT_PID (a test's own launcher)
     torch.set_num_threads(int(os.environ.get("ULTRA_WORKER_THREADS", "1")))
     freeze_import_heap()
+    teardown = Teardown()
+    teardown.refresh()  # now, not between a failure and the next join
     if is_standby(os.environ):
         name_process("ultra-standby")
         _log("standby: torch imported, waiting for a local rank")
@@ -277,8 +289,9 @@ def main() -> int:
             return 0
         generation = gp.generation
         if gp.global_rank < 0:
+            teardown.release()  # no part in this generation: no first step to wait for
             continue
-        outcome = run_one(link, beat, gp, faults)
+        outcome = run_one(link, beat, gp, faults, teardown)
         fault = link.fault
         _log(f"generation {gp.generation} {outcome.kind} at step {outcome.step}")
 

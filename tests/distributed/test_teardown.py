@@ -24,7 +24,7 @@ from parallel.layout import resolve
 from parallel.mesh import build_mesh
 from tests.conftest import small_job_text
 from trainer.loop import Trainer
-from trainer.teardown import freeze_import_heap, leave_world
+from trainer.teardown import Teardown, freeze_import_heap, leave_world
 
 pytestmark = pytest.mark.distributed
 
@@ -88,6 +88,60 @@ def test_three_generations_leave_nothing_behind(token_file: Path, tmp_path: Path
     assert last == first, (
         f"after generation 1 {first}, after generation 3 {last} (before: {baseline})"
     )
+
+
+def _survivor(rank: int, job: str, ports: list[int], out: str) -> None:
+    """As trainer.worker does: leave each world, and free it after the next one's first step."""
+    import weakref
+
+    torch.set_num_threads(1)
+    freeze_import_heap()
+    cfg = load(job)
+    teardown = Teardown()
+    teardown.refresh()
+    counts, held, alive_after_release, losses = [], [], [], []
+    for port in ports:
+        store = dist.TCPStore(
+            "127.0.0.1", port, 2, is_master=rank == 0, timeout=timedelta(seconds=60)
+        )
+        dist.init_process_group(
+            "gloo", store=store, rank=rank, world_size=2, timeout=timedelta(seconds=60)
+        )
+        layout = resolve(cfg, 2)
+        mesh = build_mesh(layout, "cpu", timedelta(seconds=60))
+        trainer = Trainer(cfg, layout, mesh, torch.device("cpu"))
+        losses.append(trainer.train_step().loss)
+        left = [weakref.ref(g) for g in teardown.held]
+        teardown.release()
+        alive_after_release.append(sum(ref() is not None for ref in left))
+        losses.append(trainer.train_step().loss)
+        groups = [weakref.ref(g) for g in dist.distributed_c10d._world.pg_map]
+        del trainer, mesh, store
+        teardown.leave()
+        held.append((len(groups), sum(ref() is not None for ref in groups)))
+    teardown.release()
+    counts.append(_resources())
+    if rank == 0:
+        torch.save({"counts": counts, "held": held, "released": alive_after_release,
+                    "losses": losses}, out)
+
+
+def test_a_world_left_is_held_until_the_next_one_has_stepped_then_freed(token_file: Path,
+                                                                        tmp_path: Path):
+    job = tmp_path / "job.toml"
+    job.write_text(small_job_text(token_file))
+    out = tmp_path / "out.pt"
+    mp.start_processes(_survivor, args=(str(job), [_free_port() for _ in range(3)], str(out)),
+                       nprocs=2, start_method="spawn")
+    result = torch.load(out, weights_only=False)
+    # Each world's groups outlive its teardown (nothing to free on the critical path) ...
+    assert all(n > 0 and alive == n for n, alive in result["held"]), result["held"]
+    # ... and are freed once the next world has taken a step: nothing of theirs remains.
+    assert result["released"] == [0, 0, 0]
+    assert [sockets for _, _, sockets in result["counts"]] == [0]
+    # Each generation trains the same two steps from the same seed, held worlds or not.
+    losses = result["losses"]
+    assert losses[0:2] == losses[2:4] == losses[4:6]
 
 
 def test_a_failed_join_does_not_shift_group_names():
