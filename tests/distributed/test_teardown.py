@@ -19,7 +19,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.distributed.device_mesh import DeviceMesh
 
-from parallel.job import load
+from parallel.job import JobConfig, load
 from parallel.layout import resolve
 from parallel.mesh import build_mesh
 from tests.conftest import small_job_text
@@ -46,24 +46,26 @@ def _resources() -> tuple[int, int, int]:
     return threading.active_count(), len(targets), sum(t.startswith("socket:") for t in targets)
 
 
+def _form_world(cfg: JobConfig, rank: int, port: int) -> Trainer:
+    """A two-rank world on a fresh TCPStore port, and a trainer on it."""
+    store = dist.TCPStore("127.0.0.1", port, 2, is_master=rank == 0, timeout=timedelta(seconds=60))
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=2,
+                            timeout=timedelta(seconds=60))
+    layout = resolve(cfg, 2)
+    return Trainer(cfg, layout, build_mesh(layout, "cpu", timedelta(seconds=60)),
+                   torch.device("cpu"))
+
+
 def _worker(rank: int, job: str, ports: list[int], out: str) -> None:
     torch.set_num_threads(1)
     freeze_import_heap()  # as trainer.worker does: what is frozen must not pin a generation
     cfg = load(job)
     counts = [_resources()]
     for port in ports:
-        store = dist.TCPStore(
-            "127.0.0.1", port, 2, is_master=rank == 0, timeout=timedelta(seconds=60)
-        )
-        dist.init_process_group(
-            "gloo", store=store, rank=rank, world_size=2, timeout=timedelta(seconds=60)
-        )
-        layout = resolve(cfg, 2)
-        mesh = build_mesh(layout, "cpu", timedelta(seconds=60))
-        trainer = Trainer(cfg, layout, mesh, torch.device("cpu"))
+        trainer = _form_world(cfg, rank, port)
         for _ in range(2):
             trainer.train_step()
-        del trainer, mesh, store
+        del trainer
         leave_world()
         counts.append(_resources())
     if rank == 0:
@@ -101,22 +103,14 @@ def _survivor(rank: int, job: str, ports: list[int], out: str) -> None:
     teardown.refresh()
     counts, held, alive_after_release, losses = [], [], [], []
     for port in ports:
-        store = dist.TCPStore(
-            "127.0.0.1", port, 2, is_master=rank == 0, timeout=timedelta(seconds=60)
-        )
-        dist.init_process_group(
-            "gloo", store=store, rank=rank, world_size=2, timeout=timedelta(seconds=60)
-        )
-        layout = resolve(cfg, 2)
-        mesh = build_mesh(layout, "cpu", timedelta(seconds=60))
-        trainer = Trainer(cfg, layout, mesh, torch.device("cpu"))
+        trainer = _form_world(cfg, rank, port)
         losses.append(trainer.train_step().loss)
         left = [weakref.ref(g) for g in teardown.held]
         teardown.release()
         alive_after_release.append(sum(ref() is not None for ref in left))
         losses.append(trainer.train_step().loss)
         groups = [weakref.ref(g) for g in dist.distributed_c10d._world.pg_map]
-        del trainer, mesh, store
+        del trainer
         teardown.leave()
         held.append((len(groups), sum(ref() is not None for ref in groups)))
     teardown.release()
