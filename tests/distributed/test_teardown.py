@@ -219,7 +219,11 @@ def _blocked_on_a_survivor(rank: int, port: int, out: str) -> None:
     dist.barrier()
     failed = Path(f"{out}.rank0-failed")
     if rank == 2:
+        # Not before ranks 0 and 1 are out of the barrier: gloo may fail a pair whose peer has
+        # hung up before it reads what the peer sent last, and their barrier would raise.
+        store.wait(["past-barrier/0", "past-barrier/1"])
         os._exit(0)
+    store.set(f"past-barrier/{rank}", "1")
     if rank == 0:
         try:
             dist.all_reduce(torch.ones(4), group=pair)  # rank 1 never takes part
