@@ -76,7 +76,7 @@ class SnapshotKeeper:
         self.root, self.node, self.address = Path(root), node, address
         self.on_held = on_held
         self.view, self.etcd, self.keys = view, etcd, keys
-        self.send, self.lease, self.keep, self.poll_s = send, lease, keep, poll_s
+        self.lease, self.keep, self.poll_s = lease, keep, poll_s
         self.wake = asyncio.Event()
         self.replicator = Replicator(node, view, send)
         self._received: set[tuple[int, str]] = set()
