@@ -41,7 +41,9 @@ _PROGRESS = {"state.progress.step": lambda s: s.progress.step,
 
 
 def _storage(t: torch.Tensor) -> int:
-    local = t.to_local() if isinstance(t, DTensor) else t
+    # The local tensor itself, not `to_local()`: that is an autograd function, and this runs
+    # for every state tensor at every snapshot (it was most of a rewrite's lookup cost).
+    local = t._local_tensor if isinstance(t, DTensor) else t  # noqa: SLF001
     return int(local.untyped_storage().data_ptr())
 
 

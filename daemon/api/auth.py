@@ -117,8 +117,9 @@ def _deny(handler: grpc.RpcMethodHandler | None, message: str) -> grpc.RpcMethod
         yield  # pragma: no cover - makes this an async generator, as the method expects
 
     if handler is not None and handler.response_streaming:
-        return grpc.unary_stream_rpc_method_handler(
-            stream, request_deserializer=handler.request_deserializer)
+        streams = grpc.stream_stream_rpc_method_handler if handler.request_streaming \
+            else grpc.unary_stream_rpc_method_handler
+        return streams(stream, request_deserializer=handler.request_deserializer)
     deserializer = handler.request_deserializer if handler is not None else None
     return grpc.unary_unary_rpc_method_handler(unary, request_deserializer=deserializer)
 

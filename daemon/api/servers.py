@@ -21,12 +21,12 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from checkpoint.snapshot_format import CHUNK_BYTES
 from daemon.api import advertise
 from daemon.api.admin_service import AdminService
 from daemon.api.auth import BearerTokenInterceptor, load_or_create_token
 from daemon.api.metrics import Metrics, serve
 from daemon.api.probes import agent_probes, start_probe_server
+from daemon.api.replication_streams import ReplicationStreams
 from daemon.api.snapshot_service import SnapshotPeerService
 from daemon.config import AgentConfig
 from daemon.control.etcd_client import parse_endpoints
@@ -60,6 +60,7 @@ class AgentIO:
         self._etcd_serving: bool | None = None
         self._peers: dict[str, grpc.aio.Channel] = {}
         self._peer_secret: Any = lambda: ""
+        self._replication = ReplicationStreams(self._peer, self._peer_metadata)
 
     async def start(self, host: Any) -> None:
         cfg = self.config
@@ -121,6 +122,7 @@ class AgentIO:
         for server in self._servers:
             await server.stop(grace=0.5)
         self._servers.clear()
+        self._replication.close()
         for channel in self._peers.values():
             await channel.close()
         self._peers.clear()
@@ -168,24 +170,8 @@ class AgentIO:
 
     async def put_snapshot_file(self, address: str, header: Incoming,
                                 pieces: AsyncIterator[bytes]) -> None:
-        """Send one snapshot file to the agent at `address` (SnapshotPeer.PutFile)."""
-
-        async def messages() -> AsyncIterator[pb.FileChunk]:
-            first = pb.FileChunk(step=header.step, file=header.file, size=header.size,
-                                 chunks=header.chunks, chunk_bytes=CHUNK_BYTES, rank=header.rank)
-            async for piece in pieces:
-                if first is not None:
-                    first.data = piece
-                    yield first
-                    first = None
-                else:
-                    yield pb.FileChunk(data=piece)
-            if first is not None:
-                yield first  # an empty file
-
-        stub = pb_grpc.SnapshotPeerStub(self._peer(address))
-        await stub.PutFile(messages(), metadata=self._peer_metadata(),
-                           timeout=10 + header.size / 50e6)
+        """Send one snapshot file to the agent at `address` (SnapshotPeer.Replicate)."""
+        await self._replication.send(address, header, pieces)
 
     async def read_snapshot(self, address: str, request: pb.SnapshotRange
                             ) -> AsyncIterator[bytes]:

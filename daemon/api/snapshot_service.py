@@ -1,7 +1,8 @@
 """Agent-to-agent snapshot replication and reads: the SnapshotPeer service (docs/snapshots.md).
 
-A peer streams a file of a snapshot step to its buddy (`PutFile`: a header, then the data in
-pieces of at most 1 MiB), reads byte ranges of files another agent holds (`ReadRange`), and
+An agent streams the files of each snapshot step to its peers over one long-lived stream per
+peer (`Replicate`: per file a header, then the data in pieces of at most 1 MiB; one FileAck per
+file back), reads byte ranges of files another agent holds (`ReadRange`), and
 the leader asks what each holds (`Holdings`).
 Calls carry the job's peer secret (`authorization: Bearer <secret>`, auth.py), which every
 agent reads from etcd: admin tokens stay per node.
@@ -27,8 +28,8 @@ class SnapshotPeerService(pb_grpc.SnapshotPeerServicer):
     def __init__(self, keeper: SnapshotKeeper) -> None:
         self.keeper = keeper
 
-    async def PutFile(self, request_iterator: AsyncIterator[pb.FileChunk],
-                      context: grpc.aio.ServicerContext) -> pb.PutFileReply:
+    async def Replicate(self, request_iterator: AsyncIterator[pb.FileChunk],
+                        context: grpc.aio.ServicerContext) -> AsyncIterator[pb.FileAck]:
         header: Incoming | None = None
         data = bytearray()
         async for message in request_iterator:
@@ -36,20 +37,27 @@ class SnapshotPeerService(pb_grpc.SnapshotPeerServicer):
                 if message.step < 0 or not message.file or not 0 <= message.size <= \
                         MAX_FILE_BYTES:
                     await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                        "step, file and size: the first message names the file")
+                                        "step, file and size: a file's first message names it")
                 header = Incoming(message.step, message.file, message.size,
                                   tuple(message.chunks), message.rank)
+                data = bytearray()
             data += message.data
             if len(data) > header.size:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                                     f"{header.file}: more than its {header.size} bytes")
-        if header is None:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "no message")
-        try:
-            self.keeper.store(header, bytes(data))
-        except SnapshotInvalid as exc:
-            await context.abort(grpc.StatusCode.DATA_LOSS, str(exc))
-        return pb.PutFileReply()
+            if len(data) == header.size:
+                try:
+                    self.keeper.store(header, bytes(data))
+                    error = ""
+                except SnapshotInvalid as exc:  # refused; the stream goes on
+                    error = str(exc)
+                yield pb.FileAck(step=header.step, file=header.file, error=error)
+                header = None
+        if header is not None:
+            # The sender went away inside a file: nothing of it is kept.
+            await context.abort(grpc.StatusCode.DATA_LOSS,
+                                f"snapshot step {header.step}: {header.file} ended after "
+                                f"{len(data)} of its {header.size} bytes")
 
     async def ReadRange(self, request: pb.SnapshotRange,
                         context: grpc.aio.ServicerContext) -> AsyncIterator[pb.SnapshotBytes]:

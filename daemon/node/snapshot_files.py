@@ -29,7 +29,7 @@ PIECE_BYTES = 1 << 20  # one gRPC message of file data (gRPC's default limit is 
 
 @dataclass(frozen=True)
 class Incoming:
-    """The header of a file a peer sends (the first message of PutFile)."""
+    """The header of a file a peer sends (the first message of a file on SnapshotPeer.Replicate)."""
 
     step: int
     file: str

@@ -23,7 +23,8 @@ from daemon.node.snapshot_files import Incoming, file_pieces, size_of
 
 log = logging.getLogger(__name__)
 
-# send(address, header, pieces): one PutFile call to a peer (api/snapshot_service.py).
+# send(address, header, pieces): one file to a peer, returning once the peer kept it
+# (SnapshotPeer.Replicate, daemon/api/replication_streams.py).
 Send = Callable[[str, Incoming, AsyncIterator[bytes]], Awaitable[None]]
 
 

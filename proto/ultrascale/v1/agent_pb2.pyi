@@ -403,6 +403,12 @@ class FileChunk(_message.Message):
     data: bytes
     def __init__(self, step: _Optional[int] = ..., file: _Optional[str] = ..., size: _Optional[int] = ..., chunks: _Optional[_Iterable[int]] = ..., chunk_bytes: _Optional[int] = ..., rank: _Optional[int] = ..., data: _Optional[bytes] = ...) -> None: ...
 
-class PutFileReply(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+class FileAck(_message.Message):
+    __slots__ = ("step", "file", "error")
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    FILE_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    step: int
+    file: str
+    error: str
+    def __init__(self, step: _Optional[int] = ..., file: _Optional[str] = ..., error: _Optional[str] = ...) -> None: ...

@@ -859,10 +859,10 @@ class SnapshotPeerStub:
         Args:
             channel: A grpc.Channel.
         """
-        self.PutFile = channel.stream_unary(
-                '/ultrascale.v1.SnapshotPeer/PutFile',
+        self.Replicate = channel.stream_stream(
+                '/ultrascale.v1.SnapshotPeer/Replicate',
                 request_serializer=ultrascale_dot_v1_dot_agent__pb2.FileChunk.SerializeToString,
-                response_deserializer=ultrascale_dot_v1_dot_agent__pb2.PutFileReply.FromString,
+                response_deserializer=ultrascale_dot_v1_dot_agent__pb2.FileAck.FromString,
                 _registered_method=True)
         self.ReadRange = channel.unary_stream(
                 '/ultrascale.v1.SnapshotPeer/ReadRange',
@@ -883,9 +883,11 @@ class SnapshotPeerServicer:
 
     """
 
-    def PutFile(self, request_iterator, context):
-        """Store a copy of a peer's snapshot file: the first message names it, then data in order.
-        The receiver verifies the data against the chunk checksums before it keeps the file.
+    def Replicate(self, request_iterator, context):
+        """Copies of a peer's snapshot files, over one long-lived stream per pair of agents: each
+        file is a message that names it (and carries its first data), then data in order until
+        its size. The receiver verifies each file against its chunk checksums before it keeps it,
+        and answers one FileAck per file, in order.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -909,10 +911,10 @@ class SnapshotPeerServicer:
 
 def add_SnapshotPeerServicer_to_server(servicer, server):
     rpc_method_handlers = {
-            'PutFile': grpc.stream_unary_rpc_method_handler(
-                    servicer.PutFile,
+            'Replicate': grpc.stream_stream_rpc_method_handler(
+                    servicer.Replicate,
                     request_deserializer=ultrascale_dot_v1_dot_agent__pb2.FileChunk.FromString,
-                    response_serializer=ultrascale_dot_v1_dot_agent__pb2.PutFileReply.SerializeToString,
+                    response_serializer=ultrascale_dot_v1_dot_agent__pb2.FileAck.SerializeToString,
             ),
             'ReadRange': grpc.unary_stream_rpc_method_handler(
                     servicer.ReadRange,
@@ -940,7 +942,7 @@ class SnapshotPeer:
     """
 
     @staticmethod
-    def PutFile(request_iterator,
+    def Replicate(request_iterator,
             target,
             options=(),
             channel_credentials=None,
@@ -950,12 +952,12 @@ class SnapshotPeer:
             wait_for_ready=None,
             timeout=None,
             metadata=None):
-        return grpc.experimental.stream_unary(
+        return grpc.experimental.stream_stream(
             request_iterator,
             target,
-            '/ultrascale.v1.SnapshotPeer/PutFile',
+            '/ultrascale.v1.SnapshotPeer/Replicate',
             ultrascale_dot_v1_dot_agent__pb2.FileChunk.SerializeToString,
-            ultrascale_dot_v1_dot_agent__pb2.PutFileReply.FromString,
+            ultrascale_dot_v1_dot_agent__pb2.FileAck.FromString,
             options,
             channel_credentials,
             insecure,
