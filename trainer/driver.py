@@ -219,6 +219,10 @@ class GenerationDriver:
     def snapshot_due(self, step: int) -> bool:
         return self.snapshots is not None and step < self.last_step and self.snapshots.due(step)
 
+    def snapshot_is_full(self) -> bool:
+        """Whether the next snapshot is a full DCP save (else a rewrite in place)."""
+        return self.snapshots is not None and self.snapshots.next_is_full
+
     def snapshot(self) -> None:
         """Snapshot the current step into the node's shared memory (collective)."""
         if self.snapshots is not None:

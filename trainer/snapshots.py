@@ -77,6 +77,11 @@ class Snapshots:
         self._resolved: ResolvedTemplate | None = None
         self._rewrites = 0
 
+    @property
+    def next_is_full(self) -> bool:
+        """The next `take` is a full save: none has worked yet in this generation."""
+        return self._template is None
+
     def due(self, step: int) -> bool:
         return self.every > 0 and step % self.every == 0
 

@@ -195,9 +195,16 @@ class Generation:
                 driver.save()
                 beat.phase("step")
             if driver.snapshot_due(result.step):
-                beat.phase("checkpoint")
+                # A rewrite is a memory copy: it stays within the step's own progress deadline.
+                # Only a generation's first snapshot (a full DCP save, collective) takes the
+                # checkpoint phase's; each phase change is a heartbeat sent at once, two calls
+                # to the agent a step for nothing.
+                full = driver.snapshot_is_full()
+                if full:
+                    beat.phase("checkpoint")
                 driver.snapshot()
-                beat.phase("step")
+                if full:
+                    beat.phase("step")
             self._report_commits(driver)
             if first:  # the step is in: free the worlds left before, learn new caches
                 first = False

@@ -8,6 +8,8 @@ its peers fail at once instead of at the process-group timeout.
 
 from __future__ import annotations
 
+import shutil
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -170,3 +172,26 @@ def test_failures_are_reported_with_their_kind_and_never_wait_on_the_agent(tmp_p
     for rank in range(WORLD):
         waited = by_key[(3, rank)].at - asked
         assert 1.5 <= waited <= 30, (rank, waited)
+
+
+def test_a_snapshot_every_step_stays_in_the_step_phase_after_the_first(tmp_path, token_file):
+    """Each phase change is a heartbeat sent at once. A generation's first snapshot (a full DCP
+    save) takes the checkpoint phase; every later one is a rewrite within the step's deadline,
+    so the only other checkpoint-phase beats are the final checkpoint's."""
+    steps = 10
+    job = _job(tmp_path, token_file, steps)
+    shm = Path(tempfile.mkdtemp(dir="/dev/shm", prefix="ultrascale-test-"))
+    try:
+        with FakeAgent(job, WORLD, generations=1, on_step=lambda g, r: pb.StepReply()) as agent:
+            codes = run_workers(agent, tmp_path,
+                                env={r: {"ULTRA_SNAPSHOT_ROOT": str(shm)} for r in range(WORLD)})
+        assert codes == [0] * WORLD, tail(tmp_path)
+        snapped = {(r.global_rank, r.step) for r in agent.requests("ReportStep")
+                   if r.HasField("snapshot_blocking_seconds")}
+        # Reported with the next step: each of steps 1..steps-1 was snapshotted (not the last).
+        assert snapped == {(rank, s) for rank in range(WORLD) for s in range(2, steps + 1)}
+        for rank in range(WORLD):
+            beats = [b for b in agent.requests("Heartbeat") if b.local_rank == rank]
+            assert {b.step for b in beats if b.phase == "checkpoint"} <= {1, steps}, beats
+    finally:
+        shutil.rmtree(shm, ignore_errors=True)
