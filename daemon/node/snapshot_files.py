@@ -68,22 +68,23 @@ class ParsedFiles:
         self._cache = {p: v for p, v in self._cache.items() if p.parent in directories}
 
 
-def verify_incoming(header: Incoming, data: bytes) -> None:
+def verify_incoming(header: Incoming, data: bytes) -> SnapshotManifest | None:
     """Raises SnapshotInvalid unless `data` is what `header` says: a snapshot file of its size
-    whose every chunk matches its checksum (a manifest: its own checksum)."""
+    whose every chunk matches its checksum (a manifest: its own checksum, and its step). Returns
+    the manifest, parsed, when it is one."""
     where = f"copy of snapshot step {header.step}: {header.file} from a peer"
     if shard_rank(header.file) is None and header.file not in (METADATA_NAME, MANIFEST_NAME):
         raise SnapshotInvalid(f"{where}: not a snapshot file name")
     if len(data) != header.size:
         raise SnapshotInvalid(f"{where} is truncated: {len(data)} of {header.size} bytes")
     if header.file == MANIFEST_NAME:
-        SnapshotManifest.parse(data, where)
-        return
+        return parse_step_manifest(data, header.step)
     if len(header.chunks) != -(-header.size // CHUNK_BYTES):
         raise SnapshotInvalid(f"{where}: {len(header.chunks)} chunk checksums for "
                               f"{header.size} bytes")
     verify_span(FileEntry(header.file, header.rank, header.size, header.chunks), 0, header.size,
                 data, where)
+    return None
 
 
 def parse_step_manifest(raw: bytes, step: int) -> SnapshotManifest:
@@ -93,23 +94,24 @@ def parse_step_manifest(raw: bytes, step: int) -> SnapshotManifest:
     return manifest
 
 
-def ensure_metadata(root: Path, step: int, manifest_blob: bytes) -> None:
-    """Before a peer's manifest of `step` is kept: the step's `.metadata` must be here. The
-    metadata of a generation is the same for each of its steps, so a copy held for another
-    step with the manifest's size and checksums is linked in; with none, raises SnapshotInvalid
-    (the sender then sends the metadata again, and the manifest after it)."""
-    want = parse_step_manifest(manifest_blob, step).file(METADATA_NAME)
+def ensure_metadata(root: Path, manifest: SnapshotManifest,
+                    held: Callable[[Path, int], SnapshotManifest | None]) -> None:
+    """Before a peer's `manifest` is kept: its step's `.metadata` must be here. The metadata of a
+    generation is the same for each of its steps, so a copy held for another step with the
+    manifest's size and checksums is linked in; with none, raises SnapshotInvalid (the sender
+    then sends the metadata again, and the manifest after it). `held(directory, step)` is the
+    manifest held in a step directory (None: none that parses)."""
+    step, want = manifest.step, manifest.file(METADATA_NAME)
     directory = step_dir(root, step)
     if size_of(directory / METADATA_NAME) == want.size:
         return
     for other in sorted(root.glob("step_*"), reverse=True):
+        held_step = parse_step_dir(other.name)
         source = other / METADATA_NAME
-        try:
-            held = parse_step_dir(other.name)
-            manifest = parse_step_manifest((other / MANIFEST_NAME).read_bytes(), held)
-        except (OSError, SnapshotInvalid, TypeError):
+        other_manifest = held(other, held_step) if held_step is not None else None
+        if other_manifest is None:
             continue
-        entry = manifest.file(METADATA_NAME)
+        entry = other_manifest.file(METADATA_NAME)
         if (entry.size, entry.chunks) == (want.size, want.chunks) \
                 and size_of(source) == want.size:
             directory.mkdir(parents=True, exist_ok=True)

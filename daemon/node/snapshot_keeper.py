@@ -265,9 +265,9 @@ class SnapshotKeeper:
 
     def store(self, header: Incoming, data: bytes) -> None:
         """Keep a peer's copy once it verifies; raises SnapshotInvalid when it does not."""
-        verify_incoming(header, data)
-        if header.file == MANIFEST_NAME:
-            ensure_metadata(self.root, header.step, data)
+        manifest = verify_incoming(header, data)
+        if manifest is not None:
+            ensure_metadata(self.root, manifest, self._manifest)
         directory = step_dir(self.root, header.step)
         directory.mkdir(parents=True, exist_ok=True)
         rank = shard_rank(header.file)
