@@ -5,6 +5,7 @@ that keeps nothing, a wrong peer secret, and a peer that restarts."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import shutil
 import tempfile
 from collections.abc import AsyncIterator
@@ -74,6 +75,18 @@ class Sender:
             await channel.close()
 
 
+@contextlib.asynccontextmanager
+async def linked(root: Path, secret: str = SECRET) -> AsyncIterator[tuple[Peer, Sender, str]]:
+    """A listening peer, a sender, and the peer's address; both closed on the way out."""
+    peer, sender = Peer(root), Sender(secret)
+    address = await peer.start()
+    try:
+        yield peer, sender, address
+    finally:
+        await sender.close()
+        await peer.stop()
+
+
 async def pieces(data: bytes) -> AsyncIterator[bytes]:
     for start in range(0, len(data), PIECE_BYTES):
         yield data[start:start + PIECE_BYTES]
@@ -90,9 +103,7 @@ def payload(n: int, seed: int) -> bytes:
 
 def test_files_go_one_after_another_on_one_stream_and_each_is_kept_once_acknowledged(root):
     async def main() -> None:
-        peer, sender = Peer(root), Sender()
-        address = await peer.start()
-        try:
+        async with linked(root) as (peer, sender, address):
             files = [(step, rank, payload(size, step + rank)) for step, rank, size in
                      [(1, 0, 3 * PIECE_BYTES + 5), (1, 1, 0), (2, 0, 1000), (2, 1, PIECE_BYTES)]]
             for step, rank, data in files:
@@ -101,18 +112,13 @@ def test_files_go_one_after_another_on_one_stream_and_each_is_kept_once_acknowle
                 assert (step_dir(root, step) / shard_name(rank)).read_bytes() == data
             assert len(sender.streams._streams) == 1  # noqa: SLF001 - one stream carried them all
             assert [h.step for h in peer.keeper.held()] == [1, 2]
-        finally:
-            await sender.close()
-            await peer.stop()
 
     asyncio.run(main())
 
 
 def test_a_copy_that_does_not_verify_is_refused_and_the_stream_goes_on(root):
     async def main() -> None:
-        peer, sender = Peer(root), Sender()
-        address = await peer.start()
-        try:
+        async with linked(root) as (peer, sender, address):
             data = payload(CHUNK_BYTES + 10, 3)
             flipped = bytearray(data)
             flipped[CHUNK_BYTES + 3] ^= 0x10
@@ -123,9 +129,6 @@ def test_a_copy_that_does_not_verify_is_refused_and_the_stream_goes_on(root):
             await sender.streams.send(address, shard(4, 2, data), pieces(data))
             assert sender.streams._streams[address] is stream  # noqa: SLF001 - the same stream
             assert (step_dir(root, 4) / shard_name(2)).read_bytes() == data
-        finally:
-            await sender.close()
-            await peer.stop()
 
     asyncio.run(main())
 
@@ -159,9 +162,7 @@ def test_a_stream_cut_inside_a_file_keeps_nothing_of_it(root):
 
 def test_a_wrong_peer_secret_is_refused_and_nothing_is_kept(root):
     async def main() -> None:
-        peer, sender = Peer(root), Sender(secret="wrong")
-        address = await peer.start()
-        try:
+        async with linked(root, "wrong") as (peer, sender, address):
             data = payload(100, 1)
             with pytest.raises(grpc.aio.AioRpcError) as failed:
                 await sender.streams.send(address, shard(1, 0, data), pieces(data))
@@ -170,18 +171,13 @@ def test_a_wrong_peer_secret_is_refused_and_nothing_is_kept(root):
             sender.secret = SECRET  # a changed secret opens a new stream
             await sender.streams.send(address, shard(1, 0, data), pieces(data))
             assert [h.step for h in peer.keeper.held()] == [1]
-        finally:
-            await sender.close()
-            await peer.stop()
 
     asyncio.run(main())
 
 
 def test_a_peer_that_restarted_gets_a_new_stream(root):
     async def main() -> None:
-        peer, sender = Peer(root), Sender()
-        address = await peer.start()
-        try:
+        async with linked(root) as (peer, sender, address):
             data = payload(5000, 2)
             await sender.streams.send(address, shard(1, 0, data), pieces(data))
             await peer.stop()
@@ -194,8 +190,5 @@ def test_a_peer_that_restarted_gets_a_new_stream(root):
                 except grpc.aio.AioRpcError:
                     assert attempt == 0
             assert (step_dir(root, 2) / shard_name(0)).read_bytes() == data
-        finally:
-            await sender.close()
-            await peer.stop()
 
     asyncio.run(main())
