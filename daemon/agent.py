@@ -134,7 +134,8 @@ class Agent(WorkerReports):
                   long_lived=False)
         if self.supervisor is not None:
             spawn(Watchdog(self.hangs, self._fault, self._kill_hung,
-                           lambda: self.view.generation, cfg.ttl).run(), "watchdog")
+                           lambda: self.view.generation, cfg.ttl,
+                           stopped=self.supervisor.stopped).run(), "watchdog")
         self.io.write_agent_file(self.node_id)
         log.info("agent %s up: grpc %s, metrics %s, %d device(s), etcd %s, job namespace %s",
                  self.node_id, self.io.address, self.io.metrics_url, cfg.devices, cfg.etcd,

@@ -84,3 +84,14 @@ def terminate(proc: subprocess.Popen[bytes], timeout: float = 5.0) -> int | None
                 proc.kill()
             proc.wait()
     return proc.returncode
+
+
+def is_stopped(pid: int) -> bool:
+    """Whether process `pid` is stopped by a signal (SIGSTOP, SIGTSTP) or a tracer now; False
+    when it is gone or this is not Linux."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            state = f.read().rsplit(b")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state in (b"T", b"t")

@@ -89,6 +89,7 @@ class SnapshotKeeper:
         self._parsed = ParsedFiles()
         self._last_signature: tuple[object, ...] = ()
         self._retry = False  # a publication failed: work again at the next poll
+        self._retry_failing = False  # the last publication failed (logged once until one works)
         self.bytes_held = 0
 
     @classmethod
@@ -135,9 +136,14 @@ class SnapshotKeeper:
                 try:
                     await self._publish()
                 except ETCD_ERRORS as exc:
-                    self._retry = True
-                    log.warning("snapshot holdings not published (%s); retrying",
-                                type(exc).__name__)
+                    # Retried every poll while etcd is away: said once, not twenty times a second.
+                    (log.debug if self._retry_failing else log.warning)(
+                        "snapshot holdings not published (%s); retrying", type(exc).__name__)
+                    self._retry = self._retry_failing = True
+                else:
+                    if self._retry_failing:
+                        log.info("snapshot holdings published again")
+                    self._retry_failing = False
                 live = {n: h for n, h in self.view.snapshots.items()
                         if n in self.view.nodes and h.spec_revision == self._spec_revision}
                 self.on_held(self.bytes_held, newest_assemblable(live)[0],

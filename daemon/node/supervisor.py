@@ -34,6 +34,8 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from daemon.procutil import is_stopped
+
 log = logging.getLogger(__name__)
 
 
@@ -78,6 +80,11 @@ class Supervisor:
     def alive(self) -> dict[int, int]:
         """local rank → pid of the running workers (the standby is none of them)."""
         return {r: w.proc.pid for r, w in self._workers.items() if w.proc.returncode is None}
+
+    def stopped(self, local_rank: int) -> bool:
+        """Whether the worker of `local_rank` is stopped by a signal now (SIGSTOP)."""
+        pid = self.alive().get(local_rank)
+        return pid is not None and is_stopped(pid)
 
     def standby_pid(self) -> int | None:
         w = self._standby

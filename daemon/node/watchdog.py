@@ -8,6 +8,9 @@ restore, step, checkpoint) and its step. A worker is hung when
   the first step have fixed deadlines; later steps max(hang_floor_s, hang_step_factor × the
   median of its recent step times), so a job with 30 s steps is not killed for being slow and
   a job with 0.05 s steps is not left stalled for minutes.
+A worker that has not beaten yet (still importing torch) has the join deadline; one stopped
+by a signal before its first beat (its process in state T) is hung once it has stayed stopped
+for `heartbeat_timeout_s`, as a stopped worker that beats already is.
 A hung worker is killed and handled like a dead one. Peers blocked in a collective with it keep
 beating (gloo releases the interpreter) and get their error as soon as it dies, so only the
 culprit is killed.
@@ -47,6 +50,7 @@ class _Rank:
     phase: str = "idle"
     step: int = 0
     progress_at: float = 0.0  # last phase change or completed step
+    stopped_at: float = 0.0  # before its first beat: when it was first seen stopped (0: not)
     step_times: collections.deque[float] = field(
         default_factory=lambda: collections.deque(maxlen=_RECENT_STEPS))
 
@@ -97,10 +101,13 @@ class HangDetector:
         return None  # idle: waiting for a generation is not a hang
 
     def hung(self, now: float, fault: FaultConfig, current: int = 0,
-             obsolete_grace: float = float("inf")) -> list[tuple[int, str]]:
+             obsolete_grace: float = float("inf"),
+             stopped: Callable[[int], bool] = lambda _rank: False) -> list[tuple[int, str]]:
         """Ranks to kill. `current` is the newest generation: a rank still busy in an older one
         waits for peers that have moved on, and learns of it only at a timeout, so it is
-        replaced `obsolete_grace` after `current` was first seen here instead."""
+        replaced `obsolete_grace` after `current` was first seen here instead. `stopped(rank)`:
+        whether the rank's process is stopped by a signal now (asked only before its first
+        beat)."""
         if current > self._current:
             self._current, self._current_since = current, now
         out = []
@@ -112,8 +119,13 @@ class HangDetector:
                                   f"{current} began"))
                 continue
             if r.beat_at == 0.0:
-                # Still starting (importing torch): the join deadline covers it.
-                if now - r.started_at > fault.join_timeout_s:
+                # Still starting (importing torch): the join deadline covers it, unless it is
+                # stopped, which no import explains.
+                r.stopped_at = (r.stopped_at or now) if stopped(rank) else 0.0
+                if r.stopped_at and now - r.stopped_at > fault.heartbeat_timeout_s:
+                    out.append((rank, f"stopped for {now - r.stopped_at:.1f}s before its first "
+                                      f"heartbeat"))
+                elif now - r.started_at > fault.join_timeout_s:
                     out.append((rank, f"no heartbeat {now - r.started_at:.1f}s after start"))
                 continue
             silent = now - r.beat_at
@@ -137,8 +149,10 @@ class Watchdog:
 
     def __init__(self, detector: HangDetector, fault: Callable[[], FaultConfig], kill: Kill,
                  current: Callable[[], int] = lambda: 0, obsolete_grace: float = float("inf"),
-                 period: float = 0.25) -> None:
+                 period: float = 0.25,
+                 stopped: Callable[[int], bool] = lambda _rank: False) -> None:
         self.detector = detector
+        self.stopped = stopped
         self.fault = fault
         self.kill = kill
         self.current = current
@@ -149,7 +163,7 @@ class Watchdog:
         while True:
             await asyncio.sleep(self.period)
             hung = self.detector.hung(time.monotonic(), self.fault(), self.current(),
-                                      self.obsolete_grace)
+                                      self.obsolete_grace, self.stopped)
             for rank, reason in hung:
                 log.error("worker local_rank=%d is hung: %s; killing it", rank, reason)
                 generation = self.detector.generation_of(rank)

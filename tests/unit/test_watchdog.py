@@ -2,9 +2,16 @@
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
+import sys
+import time
+
 import pytest
 
 from daemon.node.watchdog import HangDetector
+from daemon.procutil import is_stopped
 from parallel.job import FaultConfig
 
 pytestmark = pytest.mark.unit
@@ -60,6 +67,44 @@ def test_a_worker_that_never_beats_has_the_join_deadline() -> None:
     assert det.hung(100.0 + FAULT.join_timeout_s - 1, FAULT) == []
     ((rank, reason),) = det.hung(100.0 + FAULT.join_timeout_s + 1, FAULT)
     assert rank == 3 and "no heartbeat" in reason
+
+
+def test_a_worker_stopped_before_its_first_beat_is_hung_after_the_heartbeat_timeout() -> None:
+    """No import explains a stopped process: it gets the heartbeat timeout from when it was
+    first seen stopped, not the join deadline; one that resumes gets the join deadline again."""
+    det, stopped = HangDetector(), {3}
+    det.started(3, 100.0)
+    assert det.hung(101.0, FAULT, stopped=lambda r: r in stopped) == []  # first seen stopped
+    assert det.hung(101.0 + FAULT.heartbeat_timeout_s - 0.1, FAULT,
+                    stopped=lambda r: r in stopped) == []
+    ((rank, reason),) = det.hung(101.0 + FAULT.heartbeat_timeout_s + 0.1, FAULT,
+                                 stopped=lambda r: r in stopped)
+    assert rank == 3 and "stopped for" in reason and "before its first heartbeat" in reason
+    det = HangDetector()
+    det.started(3, 100.0)
+    det.hung(101.0, FAULT, stopped=lambda r: True)
+    det.hung(104.0, FAULT, stopped=lambda r: False)  # resumed (SIGCONT): the clock restarts
+    assert det.hung(101.0 + FAULT.heartbeat_timeout_s + 1, FAULT, stopped=lambda r: True) == []
+    assert det.hung(100.0 + FAULT.join_timeout_s - 1, FAULT) == []
+
+
+def test_is_stopped_reads_a_real_process_state() -> None:
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        assert not is_stopped(proc.pid)
+        os.kill(proc.pid, signal.SIGSTOP)
+        deadline = time.monotonic() + 10
+        while not is_stopped(proc.pid):
+            assert time.monotonic() < deadline, "SIGSTOP never showed in /proc"
+            time.sleep(0.01)
+        os.kill(proc.pid, signal.SIGCONT)
+        while is_stopped(proc.pid):
+            assert time.monotonic() < deadline, "SIGCONT never showed in /proc"
+            time.sleep(0.01)
+    finally:
+        proc.kill()
+        proc.wait()
+    assert not is_stopped(proc.pid)  # gone
 
 
 @pytest.mark.parametrize(("phase", "limit"), [
