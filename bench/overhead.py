@@ -18,7 +18,9 @@ includes everything between two steps (the step report and agreement, the snapsh
 the step itself. For the ultrad arms the table also shows the CPU time the agents (all of them
 together) and etcd spend per committed step, from /proc over the middle of the run: on this
 machine the agents share the cores with the workers, so their work shows up as step time, and
-CPU time is the steadier measure of it. Each run's median over the steps after the first 5 and, for ultrad, after every
+CPU time is the steadier measure of it. The workers' CPU per step (every process under
+torchrun or the agents, standby workers included) shows what a snapshot costs on the training
+path itself. Each run's median over the steps after the first 5 and, for ultrad, after every
 node's standby worker has imported torch (it starts once the job trains and competes for the
 CPU until then: a one-off start-up cost, not a per-step one); the table shows the median over
 runs and the ratio to the bare loop.
@@ -36,6 +38,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from bench.recovery import GLOBAL_BATCH, _descendants, _env, _wait, write_job
@@ -69,15 +72,55 @@ def standbys_ready(state_dir: Path) -> float:
     return ready
 
 
-def run_bare(work: Path, job: Path, steps: int, ranks: int) -> list[float]:
+@dataclass
+class CpuMeter:
+    """CPU seconds per committed step of the control processes (agents, etcd) and of the
+    workers, sampled from /proc while a run goes on."""
+
+    steps_file: Path
+    # (wall time, steps committed, CPU seconds so far) of the control processes, the workers
+    control: list[tuple[float, int, float]] = field(default_factory=list)
+    workers: list[tuple[float, int, float]] = field(default_factory=list)
+    _worker_cpu: dict[int, float] = field(default_factory=dict)
+
+    def sample(self, control: list[int], workers: set[int]) -> None:
+        now, n = time.time(), committed(self.steps_file)
+        self.control.append((now, n, sum(cpu_seconds(p) for p in control)))
+        for pid in workers:  # a worker that exited keeps the CPU it was last seen with
+            self._worker_cpu[pid] = max(self._worker_cpu.get(pid, 0.0), cpu_seconds(pid))
+        self.workers.append((now, n, sum(self._worker_cpu.values())))
+
+    def per_step(self, steps: int, after: float = 0.0) -> tuple[float, float]:
+        """(control, workers) CPU seconds per step, from samples taken after `after` (the
+        standby workers' torch import is a start-up cost, not a per-step one)."""
+        return tuple(control_cpu_per_step([(n, c) for t, n, c in samples if t > after], steps)
+                     for samples in (self.control, self.workers))  # type: ignore[return-value]
+
+
+def run_bare(work: Path, job: Path, steps: int, ranks: int) -> tuple[list[float], float]:
+    """Step gaps, and the workers' CPU seconds per committed step."""
     output = work / "output"
-    subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone",
-         f"--nproc-per-node={ranks}", "-m", "trainer", "--config", str(job), "--steps",
-         str(steps), "--set", "checkpoint.every=0", "--set", f'job.output_dir="{output}"'],
-        cwd=work, env={**_env(), "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}, check=True,
-        stdout=subprocess.DEVNULL, stderr=(work / "torchrun.log").open("w"), timeout=900)
-    return step_gaps(output / "steps.jsonl")
+    meter = CpuMeter(output / "steps.jsonl")
+    with (work / "torchrun.log").open("w") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "torch.distributed.run", "--standalone",
+             f"--nproc-per-node={ranks}", "-m", "trainer", "--config", str(job), "--steps",
+             str(steps), "--set", "checkpoint.every=0", "--set", f'job.output_dir="{output}"'],
+            cwd=work, env={**_env(), "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"},
+            stdout=subprocess.DEVNULL, stderr=log)
+        try:
+            deadline = time.monotonic() + 900
+            while proc.poll() is None and time.monotonic() < deadline:
+                meter.sample([], set(_descendants(proc.pid)))
+                time.sleep(0.5)
+            if proc.poll() is None:
+                raise TimeoutError("torchrun did not finish in 900 s")
+            if proc.returncode:
+                raise subprocess.CalledProcessError(proc.returncode, "torchrun")
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                proc.kill()
+    return step_gaps(output / "steps.jsonl"), meter.per_step(steps)[1]
 
 
 def cpu_seconds(pid: int) -> float:
@@ -105,15 +148,16 @@ def control_cpu_per_step(samples: list[tuple[int, float]], steps: int) -> float:
 
 
 def run_ultrad(work: Path, job: Path, steps: int, nodes: int, snapshots: bool
-               ) -> tuple[list[float], float]:
-    """Step gaps, and the agents' and etcd's CPU seconds per committed step."""
+               ) -> tuple[list[float], float, float]:
+    """Step gaps, and the CPU seconds per committed step of the agents and etcd together and
+    of the workers."""
     from daemon.cli.local import LocalCluster, _call
     from proto.ultrascale.v1 import agent_pb2 as pb
 
     cluster = LocalCluster(work / "state", nodes, 1, ttl=2)
     output = work / "output"
     pids: set[int] = set()
-    samples: list[tuple[int, float]] = []
+    meter = CpuMeter(output / "steps.jsonl")
     try:
         cluster.start(timeout=90)
         token = cluster.token_file.read_text().strip()
@@ -128,8 +172,7 @@ def run_ultrad(work: Path, job: Path, steps: int, nodes: int, snapshots: bool
                 pids.update(_descendants(proc.pid))
             assert cluster.etcd is not None and cluster.etcd.proc is not None
             control = [p.pid for p in cluster.agents.values()] + [cluster.etcd.proc.pid]
-            samples.append((committed(output / "steps.jsonl"),
-                            sum(cpu_seconds(p) for p in control)))
+            meter.sample(control, pids)
             return _call(cluster, token, "GetStatus", pb.GetStatusRequest()).finished
 
         _wait(finished, 900, "the job to finish", 0.5)
@@ -138,8 +181,8 @@ def run_ultrad(work: Path, job: Path, steps: int, nodes: int, snapshots: bool
         for pid in pids:
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.kill(pid, 9)
-    return (step_gaps(output / "steps.jsonl", after=standbys_ready(cluster.state_dir)),
-            control_cpu_per_step(samples, steps))
+    ready = standbys_ready(cluster.state_dir)
+    return (step_gaps(output / "steps.jsonl", after=ready), *meter.per_step(steps, ready))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -156,16 +199,19 @@ def main(argv: list[str] | None = None) -> int:
     job = write_job(root, args.global_batch)
     medians: dict[str, list[float]] = {arm: [] for arm in ARMS}
     control: dict[str, list[float]] = {arm: [] for arm in ARMS}
+    workers: dict[str, list[float]] = {arm: [] for arm in ARMS}
     for run in range(args.runs):
         for arm in ARMS:
             work = root / f"{arm}-{run}"
             work.mkdir()
             started = time.monotonic()
             if arm == "bare":
-                gaps = run_bare(work, job, args.steps, args.nodes)
+                gaps, worker_cpu = run_bare(work, job, args.steps, args.nodes)
             else:
-                gaps, cpu = run_ultrad(work, job, args.steps, args.nodes, arm == "ultrad+snap")
+                gaps, cpu, worker_cpu = run_ultrad(work, job, args.steps, args.nodes,
+                                                   arm == "ultrad+snap")
                 control[arm].append(cpu)
+            workers[arm].append(worker_cpu)
             medians[arm].append(statistics.median(gaps))
             print(f"  {arm} run {run}: median step {medians[arm][-1] * 1e3:.1f} ms over "
                   f"{len(gaps)} steps ({time.monotonic() - started:.0f}s)", file=sys.stderr,
@@ -174,11 +220,13 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\nwall time per step, {args.nodes} ranks, global batch {args.global_batch} "
           f"(median over {args.runs} runs of each run's median over steps "
           f"{WARMUP + 1}..{args.steps})")
-    print(f"{'arm':<12} {'ms/step':>8} {'vs bare':>8} {'agents+etcd CPU ms/step':>24}")
+    print(f"{'arm':<12} {'ms/step':>8} {'vs bare':>8} {'agents+etcd CPU ms/step':>24} "
+          f"{'workers CPU ms/step':>20}")
     for arm in ARMS:
         m = statistics.median(medians[arm])
         cpu = f"{statistics.median(control[arm]) * 1e3:.1f}" if control[arm] else "-"
-        print(f"{arm:<12} {m * 1e3:>8.1f} {m / base:>7.2f}x {cpu:>24}")
+        print(f"{arm:<12} {m * 1e3:>8.1f} {m / base:>7.2f}x {cpu:>24} "
+              f"{statistics.median(workers[arm]) * 1e3:>20.1f}")
     shutil.rmtree(root, ignore_errors=True)
     return 0
 

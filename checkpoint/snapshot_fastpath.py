@@ -23,14 +23,16 @@ item that aliases no live tensor, a byte item without a getter) means no fast pa
 
 from __future__ import annotations
 
+import math
 import pickle
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch.distributed.tensor import DTensor
 
+from checkpoint.snapshot_format import slot
 from checkpoint.state import TrainState
 
 _MODEL = "state.model."  # dcp.save({"state": TrainState}) prefixes every key with "state."
@@ -62,6 +64,21 @@ class ResolvedTemplate:
     sources: tuple[Callable[[], torch.Tensor | Any] | torch.Tensor, ...]
     is_bytes: tuple[bool, ...]
     storages: frozenset[int]  # what the views alias
+    # Each tensor item's bytes as a memoryview of the live tensor's own memory (contiguous CPU
+    # tensors): written as they are, with no per-item conversion. None: converted each time.
+    views: tuple[memoryview | None, ...] = ()
+    # Byte item index -> (its value, its slot) as last written: a value that did not change
+    # (hyper-parameters, mostly) is not pickled again.
+    slots: dict[int, tuple[Any, bytes]] = field(default_factory=dict, compare=False, repr=False)
+
+    def slotted(self, index: int, value: Any, length: int) -> bytes:
+        """Byte item `index`'s slot of `length` bytes holding `value` (ValueError: too big)."""
+        last = self.slots.get(index)
+        if last is not None and _same(last[0], value):
+            return last[1]
+        raw = slot(pickle.dumps(value), length)
+        self.slots[index] = (value, raw)
+        return raw
 
     def usable(self, state: TrainState) -> bool:
         return self.storages <= live_storages(state)
@@ -81,6 +98,7 @@ def build(state: TrainState, flat: dict[str, Any], items: list[tuple[Any, Any, b
     groups = _groups_by_parameter_storage(state)
     sources: list[Callable[[], Any] | torch.Tensor] = []
     is_bytes: list[bool] = []
+    views: list[memoryview | None] = []
     aliased: set[int] = set()
     for item, data, byte_item in items:
         fqn = item.index.fqn
@@ -90,9 +108,11 @@ def build(state: TrainState, flat: dict[str, Any], items: list[tuple[Any, Any, b
                 return None
             sources.append(getter)
             is_bytes.append(True)
+            views.append(None)
         elif fqn == _RNG:
             sources.append(torch.get_rng_state)
             is_bytes.append(False)
+            views.append(None)
         else:
             ptr = _storage(data)
             if ptr not in live:
@@ -100,7 +120,29 @@ def build(state: TrainState, flat: dict[str, Any], items: list[tuple[Any, Any, b
             aliased.add(ptr)
             sources.append(data)
             is_bytes.append(False)
-    return ResolvedTemplate(tuple(sources), tuple(is_bytes), frozenset(aliased))
+            views.append(_memory_of(data))
+    return ResolvedTemplate(tuple(sources), tuple(is_bytes), frozenset(aliased), tuple(views))
+
+
+def _memory_of(data: torch.Tensor) -> memoryview | None:
+    """`data`'s bytes as a view of its own memory, which reads its values at every use: only
+    for a contiguous CPU tensor (anything else needs a copy, which would not follow updates)."""
+    if data.device.type != "cpu" or not data.is_contiguous() or data.numel() == 0:
+        return None
+    return memoryview(data.detach().reshape(-1).view(torch.uint8).numpy())
+
+
+def _same(a: Any, b: Any) -> bool:
+    """Whether `a` and `b` are the same immutable value, down to its pickle: -0.0 is not 0.0,
+    1 is not 1.0 or True, NaN is never the same, and a mutable value (which may have changed
+    in place) is never the same either."""
+    if type(a) is not type(b):
+        return False
+    if isinstance(a, float):
+        return a == b and math.copysign(1.0, a) == math.copysign(1.0, b)
+    if isinstance(a, tuple):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b, strict=True))
+    return isinstance(a, int | str | bytes | type(None)) and a == b
 
 
 def _groups_by_parameter_storage(state: TrainState) -> dict[int, dict[str, Any]]:

@@ -45,6 +45,11 @@ def checksum(data: bytes | memoryview) -> int:
     return crc32c.crc32c(data)
 
 
+def crc32c_update(data: bytes | memoryview, crc: int) -> int:
+    """`checksum` of some bytes followed by `data`, given `crc`, the checksum of the former."""
+    return crc32c.crc32c(data, crc)
+
+
 def chunk_checksums(data: bytes, chunk_bytes: int = CHUNK_BYTES) -> tuple[int, ...]:
     return tuple(checksum(data[i : i + chunk_bytes]) for i in range(0, len(data), chunk_bytes))
 

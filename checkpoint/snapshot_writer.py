@@ -36,8 +36,8 @@ from checkpoint.snapshot_format import (
     FileEntry,
     SnapshotItem,
     SnapshotManifest,
-    checksum,
     chunk_checksums,
+    crc32c_update,
     record_name,
     shard_name,
     slot,
@@ -90,6 +90,66 @@ class _Payload:
     data: torch.Tensor | bytes
     offset: int
     length: int
+    view: memoryview | None = None  # the tensor's bytes, when already at hand (fast path)
+
+
+def tensor_bytes(data: torch.Tensor) -> memoryview:
+    """The bytes of `data` as the shard stores them: its host memory itself when it is a
+    contiguous CPU tensor, else a contiguous host copy (for a device tensor, the step's
+    device-to-host copy)."""
+    dense = data.detach()
+    if dense.device.type != "cpu":
+        dense = dense.cpu()
+    return memoryview(dense.contiguous().reshape(-1).view(torch.uint8).numpy())
+
+
+def _bytes_of(p: _Payload) -> memoryview:
+    """A tensor item's bytes."""
+    if p.view is not None:
+        return p.view
+    assert isinstance(p.data, torch.Tensor)
+    return tensor_bytes(p.data) if p.length else memoryview(b"")
+
+
+_IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024
+
+
+def _pwritev_all(fd: int, buffers: list[memoryview]) -> None:
+    """Write `buffers` back to back from offset 0, IOV_MAX at a time, resuming after a short
+    write."""
+    pending = [b for b in buffers if len(b)]
+    first, offset = 0, 0
+    while first < len(pending):
+        written = os.pwritev(fd, pending[first:first + _IOV_MAX], offset)
+        if written <= 0:
+            raise OSError(f"pwritev wrote nothing at offset {offset}")
+        offset += written
+        while written:
+            if written >= len(pending[first]):
+                written -= len(pending[first])
+                first += 1
+            else:
+                pending[first] = pending[first][written:]
+                written = 0
+
+
+def chunk_checksums_of(buffers: list[memoryview], chunk_bytes: int = CHUNK_BYTES
+                       ) -> tuple[int, ...]:
+    """The chunk checksums of the concatenation of `buffers`, without concatenating them."""
+    chunks: list[int] = []
+    crc, filled = 0, 0
+    for buffer in buffers:
+        while len(buffer):
+            take = min(len(buffer), chunk_bytes - filled)
+            crc = crc32c_update(buffer[:take], crc)
+            filled += take
+            buffer = buffer[take:]
+            if filled == chunk_bytes:
+                chunks.append(crc)
+                crc, filled = 0, 0
+    if filled:
+        chunks.append(crc)
+    return tuple(chunks)
 
 
 class SnapshotWriter(StorageWriter):
@@ -181,22 +241,32 @@ class SnapshotWriter(StorageWriter):
         return entry
 
     def _fill(self, fd: int, size: int, payloads: list[_Payload]) -> tuple[int, ...]:
+        buffers: list[memoryview] = []
+        small: list[bytes] = []  # adjacent byte items, written as one buffer
+        end = 0
         for p in payloads:
+            if p.offset != end:
+                raise ValueError(f"snapshot shard {shard_name(self.rank)}: item at offset "
+                                 f"{p.offset}, expected {end}: items must be back to back")
             if isinstance(p.data, bytes):
-                _pwrite_all(fd, memoryview(p.data), p.offset)
-            elif p.length:
-                # write(2) from the tensor's memory: one kernel copy into tmpfs pages. Measured
-                # ~2x faster than copying into an mmap of the file, which faults every page in.
-                dense = p.data.detach()
-                if dense.device.type != "cpu":
-                    dense = dense.cpu()  # the device-to-host copy: the step's only other cost
-                dense = dense.contiguous().reshape(-1).view(torch.uint8)
-                _pwrite_all(fd, memoryview(dense.numpy()), p.offset)
+                small.append(p.data)
+            else:
+                if small:
+                    buffers.append(memoryview(b"".join(small)))
+                    small = []
+                buffers.append(_bytes_of(p))
+            end += p.length
+        if small:
+            buffers.append(memoryview(b"".join(small)))
+        if end != size:
+            raise ValueError(f"snapshot shard {shard_name(self.rank)}: items cover {end} of "
+                             f"its {size} bytes")
+        # One pwritev(2) for the whole shard, straight from the tensors' memory: a kernel
+        # copy into tmpfs pages, no system call per item. (Copying into an mmap of the file
+        # was measured ~2x slower: it faults every page in.)
+        _pwritev_all(fd, buffers)
         started = time.perf_counter()
-        # Read back in chunks (cache-resident): the payloads do not fall on chunk boundaries.
-        chunks = tuple(
-            checksum(os.pread(fd, CHUNK_BYTES, pos)) for pos in range(0, size, CHUNK_BYTES)
-        )
+        chunks = chunk_checksums_of(buffers)
         self.checksum_seconds = time.perf_counter() - started
         return chunks
 
@@ -232,12 +302,6 @@ def _pickled(planner: SavePlanner, item: Any, resolved: Any) -> bytes:
         return pickle.dumps(lookup(item.index))
     assert isinstance(resolved, io.BytesIO)
     return pickle.dumps(torch.load(io.BytesIO(resolved.getvalue()), weights_only=False))
-
-
-def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
-    while data:
-        written = os.pwrite(fd, data, offset)
-        data, offset = data[written:], offset + written
 
 
 def _record_json(step: int, entry: FileEntry) -> bytes:
@@ -296,10 +360,15 @@ def rewrite_snapshot(
         writer.resolved = fastpath.build(state, planner.state_dict, [
             (item, data, is_bytes) for (item, _, _), (data, is_bytes)
             in zip(template.items, sources, strict=True)])
+    fast = writer.resolved
+    views = fast.views if fast is not None else (None,) * len(template.items)
     payloads = []
-    for (item, offset, length), (data, is_bytes) in zip(template.items, sources, strict=True):
-        payloads.append(_Payload(item, slot(pickle.dumps(data), length) if is_bytes else data,
-                                 offset, length))
+    for index, ((item, offset, length), (data, is_bytes), view) in enumerate(
+            zip(template.items, sources, views, strict=True)):
+        if is_bytes:
+            data = fast.slotted(index, data, length) if fast is not None \
+                else slot(pickle.dumps(data), length)
+        payloads.append(_Payload(item, data, offset, length, view))
     writer.directory.mkdir(parents=True, exist_ok=True)
     writer._write_shard(payloads, template.size, started)
     if coordinator is not None:

@@ -4,6 +4,8 @@ replaced instead of updated. One process, no process group (DCP's single-process
 
 from __future__ import annotations
 
+import json
+import pickle
 import shutil
 import tempfile
 from pathlib import Path
@@ -12,7 +14,7 @@ import pytest
 import torch
 from torch import nn
 
-from checkpoint.snapshot_format import shard_name, step_dir
+from checkpoint.snapshot_format import chunk_checksums, record_name, shard_name, slot, step_dir
 from checkpoint.snapshot_writer import rewrite_snapshot, save_snapshot
 from checkpoint.state import Progress, TrainState
 
@@ -36,7 +38,11 @@ def _train(state: TrainState) -> None:
 
 
 def _shard(root: Path, step: int) -> bytes:
-    return (step_dir(root, step) / shard_name(0)).read_bytes()
+    """The shard of rank 0, checked against the chunk checksums its record holds."""
+    data = (step_dir(root, step) / shard_name(0)).read_bytes()
+    record = json.loads((step_dir(root, step) / record_name(0)).read_text())
+    assert record["size"] == len(data) and tuple(record["chunks"]) == chunk_checksums(data)
+    return data
 
 
 def test_fast_path_writes_what_the_full_lookup_writes(shm: Path):
@@ -74,3 +80,63 @@ def test_fast_path_writes_what_the_full_lookup_writes(shm: Path):
     _train(state)
     fast, full, writer = both("d")
     assert fast == full and writer.resolved is not resolved and writer.resolved is not None
+
+
+def test_chunk_checksums_of_pieces_match_the_whole_file():
+    import random
+
+    from checkpoint.snapshot_writer import chunk_checksums_of
+
+    rng = random.Random(0)
+    data = rng.randbytes(1000)
+    for _ in range(50):
+        cuts = sorted(rng.sample(range(1, len(data)), rng.randint(0, 20)))
+        pieces = [memoryview(data[a:b]) for a, b in zip([0, *cuts], [*cuts, len(data)],
+                                                        strict=True)]
+        for chunk_bytes in (7, 64, 100, 1000, 4096):  # pieces cross chunk boundaries or not
+            assert chunk_checksums_of(pieces, chunk_bytes) == \
+                chunk_checksums(data, chunk_bytes)
+    assert chunk_checksums_of([memoryview(b""), memoryview(b"")]) == ()
+
+
+def test_a_shard_is_written_whole_across_short_writes_and_iov_max(shm: Path, monkeypatch):
+    import os
+
+    from checkpoint import snapshot_writer
+
+    real = os.pwritev
+    calls: list[int] = []
+
+    def at_most_100_bytes(fd: int, buffers: list, offset: int) -> int:
+        calls.append(len(buffers))
+        # A short write that ends inside a buffer, as a full tmpfs (or a signal) may cause.
+        return real(fd, [bytes(b"".join(bytes(b) for b in buffers)[:100])], offset)
+
+    monkeypatch.setattr(snapshot_writer, "_IOV_MAX", 16)
+    monkeypatch.setattr(snapshot_writer.os, "pwritev", at_most_100_bytes)
+    pieces = [bytes([i % 251]) * (i % 13) for i in range(200)]  # empty ones included
+    path = shm / "shard"
+    fd = os.open(path, os.O_RDWR | os.O_CREAT)
+    try:
+        snapshot_writer._pwritev_all(fd, [memoryview(p) for p in pieces])
+    finally:
+        os.close(fd)
+    assert path.read_bytes() == b"".join(pieces)
+    assert max(calls) <= 16 and len(calls) >= sum(map(len, pieces)) // 100
+
+
+def test_a_byte_item_is_pickled_again_unless_the_same_immutable_value():
+    from checkpoint.snapshot_fastpath import ResolvedTemplate
+
+    t = ResolvedTemplate((), (), frozenset())
+    first = t.slotted(0, (0.9, 0.999), 64)
+    assert t.slotted(0, (0.9, 0.999), 64) is first  # equal immutable value: the same slot
+    # Values that compare equal but pickle differently, and a value changed in place: new.
+    for before, after in ((0.0, -0.0), (1, 1.0), (1, True), (float("nan"), float("nan"))):
+        t.slots.clear()
+        t.slotted(1, before, 64)
+        assert t.slotted(1, after, 64) == slot(pickle.dumps(after), 64)
+    box = [1]
+    t.slotted(2, box, 64)
+    box.append(2)
+    assert t.slotted(2, box, 64) == slot(pickle.dumps([1, 2]), 64)
