@@ -1,6 +1,7 @@
 """What per-step in-memory snapshots cost the training loop.
 
     python -m bench.overhead [--runs 3] [--steps 100] [--nodes 3] [--global-batch 10]
+                             [--arms bare,ultrad,ultrad+snap]
 
 The job of `bench.recovery` (a 2-layer GQA Llama, global batch 10, no durable checkpoints) on
 `--nodes` CPU ranks, in three arms, interleaved run by run. `--global-batch` scales a step's
@@ -192,16 +193,21 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=100)
     p.add_argument("--nodes", type=int, default=3)
     p.add_argument("--global-batch", type=int, default=GLOBAL_BATCH)
+    p.add_argument("--arms", default=",".join(ARMS),
+                   help="comma-separated subset of " + ", ".join(ARMS) + " (ratios need bare)")
     args = p.parse_args(argv)
+    arms = [a for a in args.arms.split(",") if a]
+    if not arms or any(a not in ARMS for a in arms):
+        p.error(f"--arms: a comma-separated subset of {', '.join(ARMS)} (got {args.arms!r})")
     if args.runs < 1 or args.steps <= WARMUP + 2 or args.nodes < 1 or args.global_batch < 1:
         p.error("--runs >= 1, --steps > 7, --nodes >= 1 and --global-batch >= 1")
     root = Path(tempfile.mkdtemp(prefix="bench-overhead-"))
     job = write_job(root, args.global_batch)
-    medians: dict[str, list[float]] = {arm: [] for arm in ARMS}
-    control: dict[str, list[float]] = {arm: [] for arm in ARMS}
-    workers: dict[str, list[float]] = {arm: [] for arm in ARMS}
+    medians: dict[str, list[float]] = {arm: [] for arm in arms}
+    control: dict[str, list[float]] = {arm: [] for arm in arms}
+    workers: dict[str, list[float]] = {arm: [] for arm in arms}
     for run in range(args.runs):
-        for arm in ARMS:
+        for arm in arms:
             work = root / f"{arm}-{run}"
             work.mkdir()
             started = time.monotonic()
@@ -216,13 +222,13 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  {arm} run {run}: median step {medians[arm][-1] * 1e3:.1f} ms over "
                   f"{len(gaps)} steps ({time.monotonic() - started:.0f}s)", file=sys.stderr,
                   flush=True)
-    base = statistics.median(medians["bare"])
+    base = statistics.median(medians["bare"]) if "bare" in medians else float("nan")
     print(f"\nwall time per step, {args.nodes} ranks, global batch {args.global_batch} "
           f"(median over {args.runs} runs of each run's median over steps "
           f"{WARMUP + 1}..{args.steps})")
     print(f"{'arm':<12} {'ms/step':>8} {'vs bare':>8} {'agents+etcd CPU ms/step':>24} "
           f"{'workers CPU ms/step':>20}")
-    for arm in ARMS:
+    for arm in arms:
         m = statistics.median(medians[arm])
         cpu = f"{statistics.median(control[arm]) * 1e3:.1f}" if control[arm] else "-"
         print(f"{arm:<12} {m * 1e3:>8.1f} {m / base:>7.2f}x {cpu:>24} "

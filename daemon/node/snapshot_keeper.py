@@ -64,6 +64,9 @@ from daemon.node.snapshot_replicator import Replicator, Send
 
 log = logging.getLogger(__name__)
 
+# step -> (its directory, the names in it)
+Listing = dict[int, tuple[Path, frozenset[str]]]
+
 # on_held(bytes held here, newest step the live members can assemble (-1: none), job's step)
 OnHeld = Callable[[int, int, int], None]
 
@@ -88,6 +91,8 @@ class SnapshotKeeper:
         self._spec_revision = 0  # the job submission the snapshots here belong to
         self._parsed = ParsedFiles()
         self._last_signature: tuple[object, ...] = ()
+        # step -> (its names, the cluster context) when all of it was last sent
+        self._replicated: dict[int, tuple[frozenset[str], tuple[object, ...]]] = {}
         self._retry = False  # a publication failed: work again at the next poll
         self._retry_failing = False  # the last publication failed (logged once until one works)
         self.bytes_held = 0
@@ -121,16 +126,19 @@ class SnapshotKeeper:
                 async with asyncio.timeout(self.poll_s):
                     await self.wake.wait()
             self.wake.clear()
-            signature = self._signature()
+            listing = self._listing()
+            signature = self._signature(listing)
             changed = signature != self._last_signature or self._retry or self.replicator.retry
             if changed:
                 # Something changed here (a file written, received or freed) or in the
                 # cluster (a new generation, a node came or went), or a send must be retried.
                 self._retry = self.replicator.retry = False
-                self._follow_job()
-                await self._replicate()
-                self._prune()
-                self._last_signature = self._signature()
+                if self._follow_job():
+                    listing = self._listing()
+                await self._replicate(listing, signature[1:])
+                if self._prune(listing):
+                    listing = self._listing()
+                self._last_signature = self._signature(listing)
             if changed or (self._unpublished
                             and self._published_at + self.publish_s <= time.monotonic()):
                 try:
@@ -149,30 +157,45 @@ class SnapshotKeeper:
                 self.on_held(self.bytes_held, newest_assemblable(live)[0],
                              self.view.progress.step)
 
-    def _signature(self) -> tuple[object, ...]:
-        """What the keeper's work depends on, cheaply: the root's and each step directory's
-        mtime (files appear in them by create or rename), the generation, the live nodes, the
-        lease and the job. Unchanged, a poll does nothing (most polls, between two steps)."""
-        try:
-            dirs = tuple(sorted((e.name, e.stat().st_mtime_ns) for e in os.scandir(self.root)
-                                if e.is_dir()))
-        except FileNotFoundError:
-            dirs = ()
+    def _listing(self) -> Listing:
+        """Each step directory held here and the names in it: one listing per poll, shared by
+        everything the poll does. Names, not mtimes: files appear by create or rename, and a
+        directory's mtime has the kernel's coarse clock (a tick of milliseconds), so two files
+        created within one tick would leave it unchanged."""
+        found: Listing = {}
+        with contextlib.suppress(FileNotFoundError):
+            for entry in os.scandir(self.root):
+                step = parse_step_dir(entry.name)
+                if step is not None:
+                    with contextlib.suppress(FileNotFoundError, NotADirectoryError):
+                        found[step] = (Path(entry.path), frozenset(os.listdir(entry.path)))
+        return found
+
+    def _signature(self, listing: Listing) -> tuple[object, ...]:
+        """What the keeper's work depends on, cheaply: what each step directory holds, the
+        generation, the live nodes, the lease and the job. Unchanged, a poll does nothing (most
+        polls, between two steps)."""
         spec = self.view.spec
-        return (dirs, self.view.generation, tuple(sorted(self.view.nodes)), self.lease(),
+        return (tuple(sorted((step, names) for step, (_, names) in listing.items())),
+                self.view.generation, tuple(sorted(self.view.nodes)), self.lease(),
                 spec.mod_revision if spec is not None else 0)
 
-    def _follow_job(self) -> None:
-        """A new job submission makes every snapshot held here worthless: free them."""
+    def _follow_job(self) -> bool:
+        """A new job submission makes every snapshot held here worthless: free them (True when
+        it did)."""
         spec = self.view.spec
         revision = spec.mod_revision if spec is not None else 0
+        freed = False
         if revision != self._spec_revision:
             if self._spec_revision:
                 self.clear()
                 self.root.mkdir(parents=True, exist_ok=True)
                 self.replicator.forget()
                 self._received.clear()
+                self._replicated.clear()
+                freed = True
             self._spec_revision = revision
+        return freed
 
     def restored(self, generation: int, step: int) -> None:
         """This node's workers of `generation` restored `step` and freed every newer one (on
@@ -183,6 +206,8 @@ class SnapshotKeeper:
         run.follow(generation, step)
         self.replicator.forget(newer_than=step)
         self._received = {k for k in self._received if k[0] <= step}
+        # Newer steps will be trained again: the same names, new content.
+        self._replicated = {k: v for k, v in self._replicated.items() if k <= step}
         self.wake.set()
 
     async def _ensure_secret(self) -> None:
@@ -287,11 +312,13 @@ class SnapshotKeeper:
 
     # -- replicating --------------------------------------------------------------------------
 
-    async def _replicate(self) -> None:
-        steps = self._steps()
-        for step in sorted(steps)[-(self.keep + 1):]:
-            directory = steps[step]
-            names = set(listdir(directory))
+    async def _replicate(self, listing: Listing, context: tuple[object, ...]) -> None:
+        """Send what this node wrote of its newest steps. A step whose files and cluster
+        `context` are as they were when all of it was sent is not looked at again."""
+        for step in sorted(listing)[-(self.keep + 1):]:
+            directory, names = listing[step]
+            if self._replicated.get(step) == (names, context):
+                continue
             shards = []
             for name in sorted(names):
                 rank = shard_rank(name)
@@ -302,30 +329,39 @@ class SnapshotKeeper:
                     shards.append(entry)
             manifest = self._manifest(directory, step) if MANIFEST_NAME in names and \
                 (step, MANIFEST_NAME) not in self._received else None
+            failed_before, self.replicator.retry = self.replicator.retry, False
             await self.replicator.replicate(step, directory, shards, manifest)
+            if self.replicator.retry:
+                self._replicated.pop(step, None)
+            else:
+                self._replicated[step] = (names, context)
+            self.replicator.retry |= failed_before
 
     # -- retention and publication ------------------------------------------------------------
 
-    def _prune(self) -> None:
+    def _prune(self, listing: Listing) -> bool:
         """Keep the newest `keep` steps with a manifest here and anything newer; and never more
         than `keep + 2` steps in all, so a node whose manifests stop arriving (its peers are
-        gone) still does not fill its memory."""
-        steps = self._steps()
-        with_manifest = [s for s in sorted(steps)
-                         if self._manifest(steps[s], s) is not None]
-        bounds = [sorted(steps)[-(self.keep + 2)]] if len(steps) > self.keep + 2 else []
+        gone) still does not fill its memory. True when it freed a step."""
+        steps = sorted(listing)
+        with_manifest = [s for s in steps if MANIFEST_NAME in listing[s][1]
+                         and self._manifest(listing[s][0], s) is not None]
+        bounds = [steps[-(self.keep + 2)]] if len(steps) > self.keep + 2 else []
         if len(with_manifest) >= self.keep:
             bounds.append(with_manifest[-self.keep])
         if not bounds:
-            return
+            return False
         oldest_kept = max(bounds)
+        freed = False
         for step in steps:
             if step < oldest_kept:
-                shutil.rmtree(steps[step], ignore_errors=True)
+                shutil.rmtree(listing[step][0], ignore_errors=True)
+                freed = True
         self.replicator.forget_older(oldest_kept)
-        live = {steps[s] for s in steps if s >= oldest_kept}
-        self._parsed.keep_only(live)
+        self._parsed.keep_only({listing[s][0] for s in steps if s >= oldest_kept})
         self._received = {k for k in self._received if k[0] >= oldest_kept}
+        self._replicated = {k: v for k, v in self._replicated.items() if k >= oldest_kept}
+        return freed
 
     async def _publish(self) -> None:
         """Publish the holdings when they changed: at once for a new lease, job or generation,
