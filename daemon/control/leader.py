@@ -79,6 +79,9 @@ class Leader:
         self._probes: dict[str, ProbeResult] = {}
         # Last known address of every node: a member whose key is gone may still answer.
         self._addresses: dict[str, str] = {}
+        # (the stored spec, its job): parsed once per submission, not at every decision (the
+        # leader decides at every progress report, several times a second)
+        self._job: tuple[bytes | None, jobmod.JobConfig | None] = (None, None)
         self._written = 0  # etcd revision of this leader's last write
         view.subscribe(self._on_view)
 
@@ -215,6 +218,12 @@ class Leader:
                     if h is not None)
         return held
 
+    def _job_of(self, view: ClusterView) -> jobmod.JobConfig | None:
+        raw = view.spec.value if view.spec is not None else None
+        if raw is None or self._job[0] != raw:
+            self._job = (raw, job_from_view(view))
+        return self._job[1]
+
     def snapshot(self, holdings: dict[str, SnapshotHoldings] | None = None) -> Snapshot:
         view, now = self.view, time.time()
         plan = view.plan
@@ -229,7 +238,7 @@ class Leader:
         for node in missing:
             self._missing_since.setdefault(node, now)
         return Snapshot(
-            now=now, ttl=self.ttl, job=job_from_view(view),
+            now=now, ttl=self.ttl, job=self._job_of(view),
             spec_revision=view.spec.mod_revision if view.spec else 0, members=members,
             cordons=dict(view.cordons), plan=plan, progress=view.progress,
             checkpoint=view.checkpoint, directive=view.directive, status=view.status,
