@@ -82,6 +82,10 @@ class Leader:
         # (the stored spec, its job): parsed once per submission, not at every decision (the
         # leader decides at every progress report, several times a second)
         self._job: tuple[bytes | None, jobmod.JobConfig | None] = (None, None)
+        # (the nodes probed, the holdings of the others asked meanwhile): for the decision
+        # right after a failure's probe
+        self._asked: tuple[frozenset[str], asyncio.Task[dict[str, SnapshotHoldings]]] | None \
+            = None
         self._written = 0  # etcd revision of this leader's last write
         view.subscribe(self._on_view)
 
@@ -91,6 +95,14 @@ class Leader:
 
     async def lead(self) -> None:
         """Run while this agent leads; returns when leadership is lost."""
+        try:
+            await self._lead()
+        finally:
+            if self._asked is not None:
+                self._asked[1].cancel()
+                self._asked = None
+
+    async def _lead(self) -> None:
         self._wake.set()
         self._missing_since.clear()
         self._probes.clear()
@@ -133,11 +145,22 @@ class Leader:
                                 "as it is", self._written, self.ttl)
                     self._written = 0
                 decision = decide(self.snapshot())
+                asked = self._take_asked()
                 if self.ask_holdings is not None and any(
                         isinstance(a, StartGeneration) for a in decision.actions):
                     # Agents publish their holdings at most twice a second: the restore is
                     # planned on what every member holds now.
-                    decision = decide(self.snapshot(await self._holdings_now()))
+                    held = await asked if asked is not None else await self._holdings_now()
+                    decision = decide(self.snapshot(held))
+                elif asked is not None:
+                    asked.cancel()
+                probes = [a for a in decision.actions if isinstance(a, ProbeNodes)]
+                if self.ask_holdings is not None and probes:
+                    # A probe is how a failure's new generation starts, and its restore needs
+                    # every member's holdings: ask the others while probing, for the decision
+                    # right after (workers that reported a failure write no more snapshots).
+                    suspects = frozenset(n for a in probes for n in a.nodes)
+                    self._asked = (suspects, asyncio.create_task(self._holdings_now(suspects)))
                 wake_at = decision.wake_at
                 for action in decision.actions:
                     await self._perform(action)
@@ -207,11 +230,23 @@ class Leader:
     def request_reconcile(self) -> None:
         self._wake.set()
 
-    async def _holdings_now(self) -> dict[str, SnapshotHoldings]:
-        """Every member's snapshot holdings, asked now; the published record of one that does
-        not answer."""
+    def _take_asked(self) -> asyncio.Task[dict[str, SnapshotHoldings]] | None:
+        """The holdings asked during the last decision's probe, if every node it probed has
+        since left the view (else a suspect that turned out alive was not asked: ask anew)."""
+        if self._asked is None:
+            return None
+        (suspects, task), self._asked = self._asked, None
+        if any(n in self.view.nodes for n in suspects):
+            task.cancel()
+            return None
+        return task
+
+    async def _holdings_now(self, skip: frozenset[str] = frozenset()
+                            ) -> dict[str, SnapshotHoldings]:
+        """Every member's snapshot holdings, asked now (but those in `skip`); the published
+        record of one that does not answer."""
         assert self.ask_holdings is not None
-        members = sorted(self.view.nodes.items())
+        members = sorted((n, m) for n, m in self.view.nodes.items() if n not in skip)
         answers = await asyncio.gather(*(self.ask_holdings(m.record.address) for _, m in members))
         held = dict(self.view.snapshots)
         held.update((name, h) for (name, _), h in zip(members, answers, strict=True)

@@ -159,9 +159,9 @@ class SnapshotKeeper:
 
     def _listing(self) -> Listing:
         """Each step directory held here and the names in it: one listing per poll, shared by
-        everything the poll does. Names, not mtimes: files appear by create or rename, and a
-        directory's mtime has the kernel's coarse clock (a tick of milliseconds), so two files
-        created within one tick would leave it unchanged."""
+        everything the poll does. Names, not mtimes: files appear by create or rename, and
+        without multigrain timestamps (older kernels) a directory's mtime comes from a coarse
+        clock, so two files created within one tick (milliseconds) would leave it unchanged."""
         found: Listing = {}
         with contextlib.suppress(FileNotFoundError):
             for entry in os.scandir(self.root):
