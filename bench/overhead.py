@@ -24,7 +24,8 @@ torchrun or the agents, standby workers included) shows what a snapshot costs on
 path itself. Each run's median over the steps after the first 5 and, for ultrad, after every
 node's standby worker has imported torch (it starts once the job trains and competes for the
 CPU until then: a one-off start-up cost, not a per-step one); the table shows the median over
-runs and the ratio to the bare loop.
+runs and the ratio to the bare loop; with several runs it also prints each run against the bare
+loop of the same run (the machine's speed drifts from run to run).
 """
 
 from __future__ import annotations
@@ -233,6 +234,15 @@ def main(argv: list[str] | None = None) -> int:
         cpu = f"{statistics.median(control[arm]) * 1e3:.1f}" if control[arm] else "-"
         print(f"{arm:<12} {m * 1e3:>8.1f} {m / base:>7.2f}x {cpu:>24} "
               f"{statistics.median(workers[arm]) * 1e3:>20.1f}")
+    if "bare" in medians and args.runs > 1:
+        # The machine's speed drifts between runs; an arm against the bare loop of its own run
+        # cancels that drift.
+        print("\neach run against its own bare loop:")
+        for arm in arms:
+            if arm != "bare":
+                ratios = [a / b for a, b in zip(medians[arm], medians["bare"], strict=True)]
+                print(f"{arm:<12} median {statistics.median(ratios):.2f}x  "
+                      f"({', '.join(f'{r:.2f}' for r in ratios)})")
     shutil.rmtree(root, ignore_errors=True)
     return 0
 
