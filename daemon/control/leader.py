@@ -160,7 +160,10 @@ class Leader:
                     # every member's holdings: ask the others while probing, for the decision
                     # right after (workers that reported a failure write no more snapshots).
                     suspects = frozenset(n for a in probes for n in a.nodes)
-                    self._asked = (suspects, asyncio.create_task(self._holdings_now(suspects)))
+                    task = asyncio.create_task(self._holdings_now(suspects))
+                    # A failure of a task that ends up unused is not worth a logged traceback.
+                    task.add_done_callback(lambda t: t.cancelled() or t.exception())
+                    self._asked = (suspects, task)
                 wake_at = decision.wake_at
                 for action in decision.actions:
                     await self._perform(action)
