@@ -5,11 +5,11 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
-from collections.abc import Callable
 
 _PR_SET_PDEATHSIG = 1
 
@@ -30,24 +30,20 @@ def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
         return [int(s.getsockname()[1]) for s in sockets]
 
 
-def die_with_parent(sig: int = signal.SIGKILL) -> Callable[[], None] | None:
-    """A preexec_fn making the child receive `sig` when its parent dies (Linux only).
+def die_with_parent_prefix(signame: str = "KILL") -> list[str]:
+    """A command prefix making a child (any program, not only ours) receive SIG`signame` when
+    its parent dies: `setpriv --pdeathsig`, which sets it and execs the program. Empty where
+    setpriv is missing (not Linux, or util-linux without it).
 
-    A killed agent must leave no orphans: its workers hold devices and sockets that the next
-    generation needs.
+    A preexec_fn doing the same would force fork() in the parent, and forking a process that
+    runs gRPC lets gRPC's fork handlers crash the child before exec (seen as etcd "exiting"
+    with SIGABRT). Without a preexec_fn, subprocess spawns with vfork, which runs no fork
+    handlers.
     """
     if not sys.platform.startswith("linux"):
-        return None
-    libc = ctypes.CDLL(None, use_errno=True)
-    parent = os.getpid()
-
-    def preexec() -> None:
-        libc.prctl(_PR_SET_PDEATHSIG, sig, 0, 0, 0)
-        # The parent may have died between fork and prctl.
-        if os.getppid() != parent:
-            os._exit(1)
-
-    return preexec
+        return []
+    setpriv = shutil.which("setpriv")
+    return [setpriv, f"--pdeathsig={signame}", "--"] if setpriv else []
 
 
 PARENT_PID_ENV = "ULTRA_PARENT_PID"

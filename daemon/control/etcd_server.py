@@ -16,7 +16,7 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from daemon.procutil import die_with_parent, free_ports, terminate
+from daemon.procutil import die_with_parent_prefix, free_ports, terminate
 
 
 class EtcdStartError(RuntimeError):
@@ -86,6 +86,7 @@ class EtcdServer:
         self.choose_ports()
         peer = f"http://{self.host}:{self.peer_port}"
         args = [
+            *die_with_parent_prefix(),
             str(etcd_binary()),
             "--name", self.name,
             "--data-dir", str(self.data_dir),
@@ -104,7 +105,7 @@ class EtcdServer:
         log = self.log_path.open("ab")
         try:
             self.proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT,
-                                         stdin=subprocess.DEVNULL, preexec_fn=die_with_parent())
+                                         stdin=subprocess.DEVNULL)
         finally:
             log.close()
         self._wait_healthy(timeout)

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -239,3 +241,40 @@ def test_the_current_generation_is_not_obsolete() -> None:
     det.started(0, 0.0)
     beat_until(det, 0, "step", 3, 0.0, 8.0, generation=2)
     assert det.hung(8.0, FAULT, current=2, obsolete_grace=2.0) == []
+
+
+def test_a_program_started_with_the_parent_death_prefix_dies_with_its_parent() -> None:
+    """How etcd is started: no preexec_fn (which would fork a gRPC process), and still no
+    orphan when the agent that started it dies."""
+    from daemon.procutil import die_with_parent_prefix
+
+    prefix = die_with_parent_prefix()
+    if not prefix:
+        pytest.skip("setpriv is not installed")
+    parent = subprocess.Popen(
+        [sys.executable, "-c", "import subprocess, sys, time; "
+         f"child = subprocess.Popen({prefix!r} + ['sleep', '60']); "
+         "print(child.pid, flush=True); time.sleep(60)"],
+        stdout=subprocess.PIPE, text=True)
+    try:
+        assert parent.stdout is not None
+        child = int(parent.stdout.readline())
+        deadline = time.monotonic() + 10  # setpriv sets the signal, then execs sleep
+        while Path(f"/proc/{child}/cmdline").read_bytes().split(b"\0")[0] != b"sleep":
+            assert time.monotonic() < deadline, "the child never became sleep"
+            time.sleep(0.01)
+        parent.kill()
+        parent.wait()
+
+        def running() -> bool:  # a killed child is a zombie until its new parent reaps it
+            with contextlib.suppress(FileNotFoundError, ProcessLookupError):
+                return Path(f"/proc/{child}/stat").read_text().rsplit(")", 1)[1].split()[0] \
+                    != "Z"
+            return False
+
+        deadline = time.monotonic() + 10
+        while running() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not running()
+    finally:
+        parent.kill()
