@@ -55,7 +55,6 @@ from daemon.node.snapshot_files import (
     Incoming,
     ParsedFiles,
     ensure_metadata,
-    listdir,
     parse_step_manifest,
     size_of,
     verify_incoming,
@@ -82,7 +81,10 @@ class SnapshotKeeper:
         self.lease, self.keep, self.poll_s = lease, keep, poll_s
         self.wake = asyncio.Event()
         self.replicator = Replicator(node, view, send)
+        # (step, name) of every copy received from a peer, and of its shard record
         self._received: set[tuple[int, str]] = set()
+        self._received_pending = False  # copies came in since the last pass
+        self._passed_at = 0.0  # monotonic time of the last pass
         self._published: tuple[int, SnapshotHoldings] | None = None  # (lease, holdings)
         self.publish_s = publish_s
         self._published_at = 0.0  # monotonic time of the last publication
@@ -128,11 +130,8 @@ class SnapshotKeeper:
             self.wake.clear()
             listing = self._listing()
             signature = self._signature(listing)
-            changed = signature != self._last_signature or self._retry or self.replicator.retry
+            changed = self._pass_due(signature, time.monotonic())
             if changed:
-                # Something changed here (a file written, received or freed) or in the
-                # cluster (a new generation, a node came or went), or a send must be retried.
-                self._retry = self.replicator.retry = False
                 if self._follow_job():
                     listing = self._listing()
                 await self._replicate(listing, signature[1:])
@@ -157,6 +156,18 @@ class SnapshotKeeper:
                 self.on_held(self.bytes_held, newest_assemblable(live)[0],
                              self.view.progress.step)
 
+    def _pass_due(self, signature: tuple[object, ...], now: float) -> bool:
+        """Whether this poll makes a pass (and note it made one): this node's workers finished a
+        shard, or rank 0 a manifest; a step was freed; the cluster changed (a new generation, a
+        node came or went); a send must be retried; or copies came in from peers, which wait
+        for the next pass, at most a `publish_s` (nothing about them is urgent)."""
+        if signature == self._last_signature and not (self._retry or self.replicator.retry) \
+                and not (self._received_pending and now >= self._passed_at + self.publish_s):
+            return False
+        self._retry = self.replicator.retry = self._received_pending = False
+        self._passed_at = now
+        return True
+
     def _listing(self) -> Listing:
         """Each step directory held here and the names in it: one listing per poll, shared by
         everything the poll does. Names, not mtimes: files appear by create or rename, and
@@ -171,12 +182,20 @@ class SnapshotKeeper:
                         found[step] = (Path(entry.path), frozenset(os.listdir(entry.path)))
         return found
 
+    def _own(self, step: int, names: frozenset[str]) -> frozenset[str]:
+        """The names in a step's listing that call for a pass: records of shards this node's
+        workers finished (written once the shard is whole) and a manifest written here; not a
+        shard being written, a temporary file or a peer's copy (five passes a step, before)."""
+        return frozenset(n for n in names if n.endswith(".json")
+                         and (step, n) not in self._received)
+
     def _signature(self, listing: Listing) -> tuple[object, ...]:
-        """What the keeper's work depends on, cheaply: what each step directory holds, the
-        generation, the live nodes, the lease and the job. Unchanged, a poll does nothing (most
-        polls, between two steps)."""
+        """What the keeper's work depends on, cheaply: the steps held and what this node wrote
+        of each, the generation, the live nodes, the lease and the job. Unchanged, a poll does
+        nothing (most polls, between two steps)."""
         spec = self.view.spec
-        return (tuple(sorted((step, names) for step, (_, names) in listing.items())),
+        own = ((step, self._own(step, names)) for step, (_, names) in listing.items())
+        return (tuple(sorted((step, names) for step, names in own if names)),
                 self.view.generation, tuple(sorted(self.view.nodes)), self.lease(),
                 spec.mod_revision if spec is not None else 0)
 
@@ -224,15 +243,6 @@ class SnapshotKeeper:
 
     # -- what is here -------------------------------------------------------------------------
 
-    def _steps(self) -> dict[int, Path]:
-        found = {}
-        with contextlib.suppress(FileNotFoundError):
-            for entry in os.scandir(self.root):
-                step = parse_step_dir(entry.name)
-                if step is not None and entry.is_dir():
-                    found[step] = Path(entry.path)
-        return found
-
     def _record(self, directory: Path, rank: int) -> FileEntry | None:
         name = record_name(rank)
         value = self._parsed.get(directory / name,
@@ -242,10 +252,10 @@ class SnapshotKeeper:
     def held(self) -> tuple[HeldStep, ...]:
         """Every step with at least one whole shard or a manifest here, oldest first."""
         out, total = [], 0
-        for step, directory in sorted(self._steps().items()):
+        for step, (directory, names) in sorted(self._listing().items()):
             manifest = self._manifest(directory, step)
             ranks = []
-            for name in listdir(directory):
+            for name in names:
                 rank = shard_rank(name)
                 if rank is None:
                     continue
@@ -305,10 +315,11 @@ class SnapshotKeeper:
         if rank is not None:
             record = {"step": header.step, **FileEntry(header.file, rank, header.size,
                                                        header.chunks).to_json()}
+            self._received.add((header.step, record_name(rank)))
             write_atomically(directory / record_name(rank), json.dumps(record).encode())
-        write_atomically(directory / header.file, data)
         self._received.add((header.step, header.file))
-        self.wake.set()
+        write_atomically(directory / header.file, data)
+        self._received_pending = True
 
     # -- replicating --------------------------------------------------------------------------
 
@@ -317,7 +328,8 @@ class SnapshotKeeper:
         `context` are as they were when all of it was sent is not looked at again."""
         for step in sorted(listing)[-(self.keep + 1):]:
             directory, names = listing[step]
-            if self._replicated.get(step) == (names, context):
+            own = self._own(step, names)
+            if self._replicated.get(step) == (own, context):
                 continue
             shards = []
             for name in sorted(names):
@@ -334,7 +346,7 @@ class SnapshotKeeper:
             if self.replicator.retry:
                 self._replicated.pop(step, None)
             else:
-                self._replicated[step] = (names, context)
+                self._replicated[step] = (own, context)
             self.replicator.retry |= failed_before
 
     # -- retention and publication ------------------------------------------------------------

@@ -354,3 +354,30 @@ def test_a_file_that_appears_in_a_step_already_sent_is_sent_too(root):
         assert sent == [(9, shard_name(0)), (9, METADATA_NAME), (9, MANIFEST_NAME)]
 
     asyncio.run(scenario())
+
+
+def test_only_what_this_nodes_workers_finish_calls_for_a_pass(root):
+    """A shard being written, a temporary file and a copy received from a peer leave the
+    signature as it was; a finished shard's record and a manifest written here change it.
+    Received copies make a pass of their own only once a publication period has passed."""
+    k = keeper(root, _two_node_view(generation=2))
+    k.publish_s = 0.5
+    assert k._pass_due(k._signature(k._listing()), now=100.0)
+    k._last_signature = k._signature(k._listing())
+    directory = step_dir(root, 9)
+    directory.mkdir()
+    (directory / shard_name(0)).write_bytes(b"x" * 10)  # being written
+    (directory / (record_name(0) + ".tmp")).write_bytes(b"{}")
+    data = b"y" * 100
+    k.store(header(9, 1, data), data)  # a peer's copy, and its record
+    signature = k._signature(k._listing())
+    assert signature == k._last_signature and not k._pass_due(signature, now=100.1)
+    (directory / (record_name(0) + ".tmp")).rename(directory / record_name(0))
+    assert k._signature(k._listing()) != signature
+    k._last_signature = k._signature(k._listing())
+    write_atomically(directory / MANIFEST_NAME, b"{}")
+    assert k._signature(k._listing()) != k._last_signature
+    k._last_signature = k._signature(k._listing())
+    assert not k._pass_due(k._last_signature, now=100.2)
+    assert k._pass_due(k._last_signature, now=100.6)  # the peer's copy, a period later
+    assert not k._pass_due(k._last_signature, now=100.7)
