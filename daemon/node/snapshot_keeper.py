@@ -63,8 +63,8 @@ from daemon.node.snapshot_replicator import Replicator, Send
 
 log = logging.getLogger(__name__)
 
-# step -> (its directory, the names in it)
-Listing = dict[int, tuple[Path, frozenset[str]]]
+# step -> (its directory, the names in it); plain strings, not pathlib (ParsedFiles says why)
+Listing = dict[int, tuple[str, frozenset[str]]]
 
 # on_held(bytes held here, newest step the live members can assemble (-1: none), job's step)
 OnHeld = Callable[[int, int, int], None]
@@ -179,13 +179,13 @@ class SnapshotKeeper:
                 step = parse_step_dir(entry.name)
                 if step is not None:
                     with contextlib.suppress(FileNotFoundError, NotADirectoryError):
-                        found[step] = (Path(entry.path), frozenset(os.listdir(entry.path)))
+                        found[step] = (entry.path, frozenset(os.listdir(entry.path)))
         return found
 
     def _own(self, step: int, names: frozenset[str]) -> frozenset[str]:
         """The names in a step's listing that call for a pass: records of shards this node's
         workers finished (written once the shard is whole) and a manifest written here; not a
-        shard being written, a temporary file or a peer's copy (five passes a step, before)."""
+        shard being written, a temporary file or a peer's copy (twice the passes, before)."""
         return frozenset(n for n in names if n.endswith(".json")
                          and (step, n) not in self._received)
 
@@ -243,9 +243,9 @@ class SnapshotKeeper:
 
     # -- what is here -------------------------------------------------------------------------
 
-    def _record(self, directory: Path, rank: int) -> FileEntry | None:
+    def _record(self, directory: str, rank: int) -> FileEntry | None:
         name = record_name(rank)
-        value = self._parsed.get(directory / name,
+        value = self._parsed.get(os.path.join(directory, name),
                              lambda raw: FileEntry.from_json(json.loads(raw), name))
         return value if isinstance(value, FileEntry) else None
 
@@ -255,25 +255,23 @@ class SnapshotKeeper:
         for step, (directory, names) in sorted(self._listing().items()):
             manifest = self._manifest(directory, step)
             ranks = []
-            for name in names:
-                rank = shard_rank(name)
-                if rank is None:
-                    continue
-                entry = self._record(directory, rank)  # written after the shard: it is whole
-                size = size_of(directory / name)
-                if entry is not None and size == entry.size:
+            for name, rank in ((n, shard_rank(n)) for n in names):
+                entry = self._record(directory, rank) if rank is not None else None
+                size = size_of(os.path.join(directory, name)) if entry is not None else -1
+                if entry is not None and size == entry.size:  # a record follows a whole shard
                     ranks.append(rank)
                     total += size
-            metadata = manifest is not None and size_of(directory / METADATA_NAME) == \
-                manifest.file(METADATA_NAME).size
+            metadata = manifest is not None and manifest.file(METADATA_NAME).size == \
+                size_of(os.path.join(directory, METADATA_NAME))
             if ranks or metadata:
                 out.append(HeldStep(step, tuple(sorted(ranks)),
                                     manifest.world_size if manifest else 0, metadata))
         self.bytes_held = total
         return tuple(out)
 
-    def _manifest(self, directory: Path, step: int) -> SnapshotManifest | None:
-        value = self._parsed.get(directory / MANIFEST_NAME, lambda raw: parse_step_manifest(raw, step))
+    def _manifest(self, directory: str, step: int) -> SnapshotManifest | None:
+        value = self._parsed.get(os.path.join(directory, MANIFEST_NAME),
+                                 lambda raw: parse_step_manifest(raw, step))
         return value if isinstance(value, SnapshotManifest) else None
 
     def read(self, step: int, file: str, offset: int, length: int) -> bytes | None:
@@ -337,12 +335,12 @@ class SnapshotKeeper:
                 if rank is None or (step, name) in self._received:
                     continue
                 entry = self._record(directory, rank)
-                if entry is not None and size_of(directory / name) == entry.size:
+                if entry is not None and size_of(os.path.join(directory, name)) == entry.size:
                     shards.append(entry)
             manifest = self._manifest(directory, step) if MANIFEST_NAME in names and \
                 (step, MANIFEST_NAME) not in self._received else None
             failed_before, self.replicator.retry = self.replicator.retry, False
-            await self.replicator.replicate(step, directory, shards, manifest)
+            await self.replicator.replicate(step, Path(directory), shards, manifest)
             if self.replicator.retry:
                 self._replicated.pop(step, None)
             else:
