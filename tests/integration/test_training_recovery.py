@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import signal
-import time
 import urllib.request
 from pathlib import Path
 
@@ -86,11 +85,12 @@ def test_kill_one_agent_mid_run(cluster: LocalCluster, token_file: Path, tmp_pat
     orphans = worker_pids(victim.pid)
     assert orphans, "node-2 runs a worker"
     victim.send_signal(signal.SIGKILL)
-    killed_at = time.monotonic()
+    # The kernel kills the worker with its agent (PR_SET_PDEATHSIG). What is checked is that it
+    # does not outlive the agent, not how fast a killed process finishes exiting: in one CI run
+    # on a loaded machine it was still there after 1 s, a former bound.
     wait_until(
-        lambda: not any(alive(p) for p in orphans), 1.0, "the victim's worker to die with it", 0.02
+        lambda: not any(alive(p) for p in orphans), 10.0, "the victim's worker to die with it", 0.02
     )
-    assert time.monotonic() - killed_at < 1.0
 
     def finished() -> bool:
         status = _call(cluster, token, "GetStatus", pb.GetStatusRequest())
