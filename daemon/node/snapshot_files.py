@@ -141,13 +141,6 @@ async def file_pieces(path: Path) -> AsyncIterator[bytes]:
         os.close(fd)
 
 
-def listdir(directory: Path) -> list[str]:
-    try:
-        return os.listdir(directory)
-    except FileNotFoundError:
-        return []
-
-
 def size_of(path: str | os.PathLike[str]) -> int:
     try:
         return os.stat(path).st_size
