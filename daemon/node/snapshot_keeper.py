@@ -93,7 +93,7 @@ class SnapshotKeeper:
         self._spec_revision = 0  # the job submission the snapshots here belong to
         self._parsed = ParsedFiles()
         self._last_signature: tuple[object, ...] = ()
-        # step -> (its names, the cluster context) when all of it was last sent
+        # step -> (its own names, see _own; the cluster context) when all of it was last sent
         self._replicated: dict[int, tuple[frozenset[str], tuple[object, ...]]] = {}
         self._retry = False  # a publication failed: work again at the next poll
         self._retry_failing = False  # the last publication failed (logged once until one works)
