@@ -16,16 +16,21 @@ ultrad adds per step is about constant, so its ratio to the bare loop shrinks as
 
 Step time is the wall time between consecutive committed steps (steps.jsonl `time`), so it
 includes everything between two steps (the step report and agreement, the snapshot), not only
-the step itself. For the ultrad arms the table also shows the CPU time the agents (all of them
-together) and etcd spend per committed step, from /proc over the middle of the run: on this
-machine the agents share the cores with the workers, so their work shows up as step time, and
-CPU time is the steadier measure of it. The workers' CPU per step (every process under
-torchrun or the agents, standby workers included) shows what a snapshot costs on the training
-path itself. Each run's median over the steps after the first 5 and, for ultrad, after every
-node's standby worker has imported torch (it starts once the job trains and competes for the
-CPU until then: a one-off start-up cost, not a per-step one); the table shows the median over
-runs and the ratio to the bare loop; with several runs it also prints each run against the bare
-loop of the same run (the machine's speed drifts from run to run).
+the step itself. The table also shows the CPU time the control processes spend per committed
+step, from /proc over the middle of the run: for the ultrad arms the agents (all of them
+together) and etcd, for the bare loop torchrun's own elastic agent. On this machine they share
+the cores with the workers, so their work shows up as step time, and CPU time is the steadier
+measure of it. The workers' CPU per step (every process under torchrun or the agents, standby
+workers included) shows what a snapshot costs on the training path itself. The last two
+columns add both up and compare that with the bare loop's: where the workers alone keep the
+cores busy (3 CPU ranks on 2 cores), the step time follows the CPU all processes spend per
+step, so that ratio is about where the wall-time ratio can go.
+
+Each run's median over the steps after the first 5 and, for ultrad, after every node's standby
+worker has imported torch (it starts once the job trains and competes for the CPU until then:
+a one-off start-up cost, not a per-step one); the table shows the median over runs and the
+ratio to the bare loop; with several runs it also prints each run against the bare loop of the
+same run (the machine's speed drifts from run to run).
 """
 
 from __future__ import annotations
@@ -99,8 +104,9 @@ class CpuMeter:
                      for samples in (self.control, self.workers))  # type: ignore[return-value]
 
 
-def run_bare(work: Path, job: Path, steps: int, ranks: int) -> tuple[list[float], float]:
-    """Step gaps, and the workers' CPU seconds per committed step."""
+def run_bare(work: Path, job: Path, steps: int, ranks: int) -> tuple[list[float], float, float]:
+    """Step gaps, and the CPU seconds per committed step of torchrun's own agent (the bare
+    loop's control process) and of its workers."""
     output = work / "output"
     meter = CpuMeter(output / "steps.jsonl")
     with (work / "torchrun.log").open("w") as log:
@@ -113,7 +119,7 @@ def run_bare(work: Path, job: Path, steps: int, ranks: int) -> tuple[list[float]
         try:
             deadline = time.monotonic() + 900
             while proc.poll() is None and time.monotonic() < deadline:
-                meter.sample([], set(_descendants(proc.pid)))
+                meter.sample([proc.pid], set(_descendants(proc.pid)))
                 time.sleep(0.5)
             if proc.poll() is None:
                 raise TimeoutError("torchrun did not finish in 900 s")
@@ -122,7 +128,7 @@ def run_bare(work: Path, job: Path, steps: int, ranks: int) -> tuple[list[float]
         finally:
             with contextlib.suppress(ProcessLookupError):
                 proc.kill()
-    return step_gaps(output / "steps.jsonl"), meter.per_step(steps)[1]
+    return step_gaps(output / "steps.jsonl"), *meter.per_step(steps)
 
 
 def cpu_seconds(pid: int) -> float:
@@ -213,11 +219,11 @@ def main(argv: list[str] | None = None) -> int:
             work.mkdir()
             started = time.monotonic()
             if arm == "bare":
-                gaps, worker_cpu = run_bare(work, job, args.steps, args.nodes)
+                gaps, cpu, worker_cpu = run_bare(work, job, args.steps, args.nodes)
             else:
                 gaps, cpu, worker_cpu = run_ultrad(work, job, args.steps, args.nodes,
                                                    arm == "ultrad+snap")
-                control[arm].append(cpu)
+            control[arm].append(cpu)
             workers[arm].append(worker_cpu)
             medians[arm].append(statistics.median(gaps))
             print(f"  {arm} run {run}: median step {medians[arm][-1] * 1e3:.1f} ms over "
@@ -227,13 +233,17 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\nwall time per step, {args.nodes} ranks, global batch {args.global_batch} "
           f"(median over {args.runs} runs of each run's median over steps "
           f"{WARMUP + 1}..{args.steps})")
-    print(f"{'arm':<12} {'ms/step':>8} {'vs bare':>8} {'agents+etcd CPU ms/step':>24} "
-          f"{'workers CPU ms/step':>20}")
+    total = {arm: statistics.median([c + w for c, w in zip(control[arm], workers[arm],
+                                                            strict=True)]) for arm in arms}
+    base_cpu = total.get("bare", float("nan"))
+    print(f"{'arm':<12} {'ms/step':>8} {'vs bare':>8} {'control CPU ms/step':>20} "
+          f"{'workers CPU ms/step':>20} {'all CPU ms/step':>16} {'vs bare':>8}")
     for arm in arms:
         m = statistics.median(medians[arm])
-        cpu = f"{statistics.median(control[arm]) * 1e3:.1f}" if control[arm] else "-"
-        print(f"{arm:<12} {m * 1e3:>8.1f} {m / base:>7.2f}x {cpu:>24} "
-              f"{statistics.median(workers[arm]) * 1e3:>20.1f}")
+        print(f"{arm:<12} {m * 1e3:>8.1f} {m / base:>7.2f}x "
+              f"{statistics.median(control[arm]) * 1e3:>20.1f} "
+              f"{statistics.median(workers[arm]) * 1e3:>20.1f} {total[arm] * 1e3:>16.1f} "
+              f"{total[arm] / base_cpu:>7.2f}x")
     if "bare" in medians and args.runs > 1:
         # The machine's speed drifts between runs; an arm against the bare loop of its own run
         # cancels that drift.

@@ -22,6 +22,14 @@ from the kill to:
              line of the new generation; torchrun: when the first JSON step line printed after
              the restarted workers' "resume:" line reaches the bench).
 
+Two more columns, ultrad arms only, say what no recovery here can go below:
+
+  victim exit      kill → the victim's worker has exited (a zombie or gone, polled in /proc).
+                   A killed process's sockets close only after the kernel has freed its memory,
+                   so no survivor can see the death sooner (a torch process takes tens of ms).
+  one step         the new world's first step alone (its `step_seconds`): a recovery ends with
+                   one whole step of the new world.
+
 ultrad arms: `ultrad` restores from the in-memory snapshots (every step, replicated to a buddy
 node; docs/snapshots.md), `ultrad-disk` turns them off (`checkpoint.snapshot_every=0`) and
 restores from the durable checkpoint, and both kill a node that is not the leader's;
@@ -87,7 +95,7 @@ ARMS = {
 # the restarted 2-rank world hung here: gloo's connectFullMesh read a bogus peer address
 # ("[127.0.0.1]:1932$1") and rank 0 never came up; --torchrun-share-store brings it back.
 TORCHRUN_ENV: dict[str, str] = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
-METRICS = ("detect", "rdzv", "restore", "first_step", "rerun")
+METRICS = ("detect", "rdzv", "restore", "first_step", "rerun", "victim_exit", "step")
 # ultrad arms: (restore from in-memory snapshots, what is killed: a non-leader node, the
 # leader's node, or the worker alone of a non-leader node, its agent and standby worker alive)
 ULTRAD_ARMS = {"ultrad": (True, "node"), "ultrad-disk": (False, "node"),
@@ -103,6 +111,8 @@ class Result:
     restore: float | None = None
     first_step: float | None = None
     rerun: float | None = None  # committed steps trained again (the step in flight is not one)
+    victim_exit: float | None = None  # kill → the victim worker gone (its sockets closed)
+    step: float | None = None  # the new world's first step alone (its step_seconds)
     extra: dict[str, Any] = field(default_factory=dict)
     error: str = ""
 
@@ -192,6 +202,25 @@ def kill_node(pid: int) -> float:
     return t
 
 
+def exit_seconds(pid: int, t_kill: float, timeout: float = 10.0) -> float | None:
+    """Seconds from `t_kill` until every thread of process `pid` has exited (at most its
+    zombie leader is left). The last thread out frees the memory and then closes the files, so
+    the sockets close only then and no survivor can see the death sooner. (The leader alone
+    turns zombie first: its state says nothing about the others.) None if it outlived
+    `timeout`."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            tasks = os.listdir(f"/proc/{pid}/task")
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except (OSError, IndexError):
+            return time.time() - t_kill
+        if len(tasks) <= 1 and state in ("Z", "X"):
+            return time.time() - t_kill
+        time.sleep(0.002)
+    return None
+
+
 def _log_time(line: str) -> float | None:
     """Wall time of a `logging` line starting 'YYYY-MM-DD HH:MM:SS,mmm'."""
     m = re.match(r"(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d),(\d{3})", line)
@@ -268,14 +297,15 @@ def run_ultrad(work: Path, job: Path, kill_step: int, run: int, arm: str = "ultr
         leader, generation = status.leader, status.generation
         victim = leader if kill_leader else next(
             n for n in ("node-2", "node-1", "node-0") if n != leader)
+        pid = _named(cluster.agents[victim].pid, "ultra-w0")
+        if pid is None:
+            raise RuntimeError(f"no worker process of {victim}")
         if target == "worker":
-            pid = _named(cluster.agents[victim].pid, "ultra-w0")
-            if pid is None:
-                raise RuntimeError(f"no worker process of {victim}")
             t_kill = time.time()
             os.kill(pid, signal.SIGKILL)
         else:
             t_kill = kill_node(cluster.agents[victim].pid)
+        res.victim_exit = exit_seconds(pid, t_kill)
         res.extra.update(victim=victim, leader=leader)
 
         def recovered() -> dict[str, Any] | None:
@@ -286,6 +316,7 @@ def run_ultrad(work: Path, job: Path, kill_step: int, run: int, arm: str = "ultr
         before = [x["step"] for x in lines() if x["generation"] <= generation]
         res.rerun = max(0, max(before, default=0) - (first["step"] - 1))
         res.restore = first["time"] - first["step_seconds"] - t_kill
+        res.step = first["step_seconds"]
         res.extra.update(generation=first["generation"], world=first["world_size"],
                          resumed_at_step=first["step"])
         # The (new) leader's log: failure confirmed, then the next generation written.
@@ -513,7 +544,7 @@ def _fmt(x: float | None) -> str:
 def table(results: list[Result], arms: list[str]) -> str:
     med: dict[str, dict[str, float | None]] = {}
     rows = [["arm", "runs ok", "detect s", "re-rdzv s", "restore s", "kill→first step s",
-             "steps re-run", "first step / ultrad"]]
+             "steps re-run", "victim exit s", "one step s", "first step / ultrad"]]
     for arm in arms:
         ok = [r for r in results if r.arm == arm and not r.error]
         med[arm] = {}
@@ -573,8 +604,8 @@ def main(argv: list[str] | None = None) -> int:
             results.append(res)
             print(f"  {arm} run {run}: detect {_fmt(res.detect)}  rdzv {_fmt(res.rdzv)}  "
                   f"restore {_fmt(res.restore)}  first step {_fmt(res.first_step)}  "
-                  f"re-run {_fmt(res.rerun)}  "
-                  f"{json.dumps(res.extra)}  ({time.monotonic() - started:.0f}s)"
+                  f"re-run {_fmt(res.rerun)}  victim exit {_fmt(res.victim_exit)}  "
+                  f"one step {_fmt(res.step)}  {json.dumps(res.extra)}  ({time.monotonic() - started:.0f}s)"
                   + (f"  FAILED: {res.error}" if res.error else ""), file=sys.stderr, flush=True)
     print()
     print("seconds from the kill -9 (medians of successful runs)")
