@@ -24,6 +24,11 @@ RTOL = 1e-5
 # eps 1e-8 reduction-order noise on an element whose gradient is at noise level moves it by
 # up to lr/eps times that noise (its tensor's relative difference then exceeds 1e-5).
 SECTIONS = {"train": {"eps": 1e-6}}
+# Final parameters under cp: each row's softmax is summed block by block in ring order, and
+# Adam's first steps turn order noise on elements whose gradient is near zero into updates of up
+# to lr. The reference itself drifts by the same order when only its micro-batch order changes
+# (docs/context_parallel.md, "Tolerances"), so weights are held to 2e-5; losses stay at 1e-5.
+PARAM_RTOL = 2e-5
 
 SLOW = slow("16 ranks")
 
@@ -79,7 +84,8 @@ def test_context_parallel_matches_single_process(nproc, parallel, small_job, tmp
         assert rec["dp"] == parallel.get("dp", 1)
         assert rec["consumed_samples"] == step * 10
         assert rec["loss"] == pytest.approx(ref_losses[step], rel=RTOL), f"step {step}"
-    assert_params_close(final_model_state(ckpt / f"step_{STEPS:08d}", tmp_path), ref_params, RTOL)
+    assert_params_close(final_model_state(ckpt / f"step_{STEPS:08d}", tmp_path), ref_params,
+                        PARAM_RTOL)
 
 
 @pytest.mark.parametrize("zero", [3, 1])
