@@ -5,6 +5,7 @@ other manifests (ports, Secret and ConfigMap names and keys, etcd member names).
 from __future__ import annotations
 
 import copy
+import functools
 import re
 import shutil
 import subprocess
@@ -402,13 +403,17 @@ def test_the_agents_dial_every_etcd_member_by_its_stable_name(tmp_path: Path) ->
 
 
 
-def built(directory: Path = K8S) -> list[dict[str, Any]]:
+@functools.cache
+def _kustomize(directory: Path) -> str:
     kubectl = shutil.which("kubectl")
     if kubectl is None:
         pytest.skip("kubectl is not installed (CI installs it: .ci/run)")
-    out = subprocess.run([kubectl, "kustomize", str(directory)], capture_output=True,
-                         text=True, timeout=120, check=True).stdout
-    return [d for d in yaml.safe_load_all(out) if d]
+    return subprocess.run([kubectl, "kustomize", str(directory)], capture_output=True,
+                          text=True, timeout=120, check=True).stdout
+
+
+def built(directory: Path = K8S) -> list[dict[str, Any]]:
+    return [d for d in yaml.safe_load_all(_kustomize(directory)) if d]
 
 
 def built_object(docs: list[dict[str, Any]], kind: str, name: str) -> dict[str, Any]:
