@@ -5,6 +5,7 @@ other manifests (ports, Secret and ConfigMap names and keys, etcd member names).
 from __future__ import annotations
 
 import copy
+import functools
 import re
 import shutil
 import subprocess
@@ -27,6 +28,8 @@ SCRAPE_CONFIG = K8S / "prometheus" / "scrape-config.yml"
 DOCS = REPO / "docs" / "kubernetes.md"
 # Values the kubelet would substitute for $(VAR) in args (from the downward API).
 DOWNWARD = {"NODE_NAME": "gpu-node-1", "POD_IP": "192.0.2.10", "POD_NAMESPACE": "ultrascale"}
+# etcd client-certificate Secrets the agents mount, and the CN (= etcd user) of each.
+ETCD_CLIENT_CNS = {"ultrad-etcd-client": "ultrascale-agent"}
 
 models = pytest.importorskip("kubernetes.client.models",
                              reason="the `kubernetes` package (dev extras) is not installed")
@@ -171,7 +174,8 @@ def test_every_object_carries_the_recommended_labels() -> None:
         template = doc.get("spec", {}).get("template")
         if template is not None:
             pod_labels = template["metadata"]["labels"]
-            assert doc["spec"]["selector"]["matchLabels"].items() <= pod_labels.items()
+            if kind != "Job":  # a Job's selector is generated
+                assert doc["spec"]["selector"]["matchLabels"].items() <= pod_labels.items()
             assert pod_labels.get("app.kubernetes.io/part-of") == "ultrascale", (kind, name)
 
 
@@ -182,7 +186,8 @@ def test_every_object_carries_the_recommended_labels() -> None:
 def test_the_kustomization_lists_exactly_the_manifests(directory: Path) -> None:
     listed = kustomization(directory)["resources"]
     assert len(listed) == len(set(listed))
-    missing = [r for r in listed if not (directory / r).is_file()]
+    missing = [r for r in listed if not (directory / r).is_file()
+               and not (directory / r / "kustomization.yaml").is_file()]
     assert not missing, f"listed but absent: {missing}"
     unlisted = set(documents(directory)) - set(listed)
     assert not unlisted, f"{directory.relative_to(REPO)}: not in kustomization.yaml: {unlisted}"
@@ -198,7 +203,14 @@ def test_kubectl_kustomize_builds_every_object_into_the_namespace() -> None:
         docs = [d for d in yaml.safe_load_all(built) if d]
         files = {(d["kind"], d["metadata"]["name"])
                  for ds in documents(directory).values() for d in ds}
-        assert {(d["kind"], d["metadata"]["name"]) for d in docs} == files
+        generated = {("ConfigMap", g["name"])
+                     for r in kustomization(directory)["resources"]
+                     if (directory / r / "kustomization.yaml").is_file()
+                     for g in kustomization(directory / r).get("configMapGenerator", ())}
+        # Generated ConfigMaps carry a hash of their content after their name.
+        names = {(d["kind"], re.sub(r"-[a-z0-9]{10}$", "", d["metadata"]["name"])
+                  if d["kind"] == "ConfigMap" else d["metadata"]["name"]) for d in docs}
+        assert names == files | generated
         namespace = kustomization(directory)["namespace"]
         for doc in docs:
             if doc["kind"] != "Namespace":
@@ -216,6 +228,13 @@ def secret_data(name: str, pki: Path) -> dict[str, bytes]:
         ca = make_ca(pki, "cluster")
         agent = ca.issue("agent", san=f"IP:{DOWNWARD['POD_IP']}")
         return {"tls.crt": agent.cert.read_bytes(), "tls.key": agent.key.read_bytes(),
+                "ca.crt": ca.cert.read_bytes()}
+    if name in ETCD_CLIENT_CNS:
+        # deploy/etcd/make-certs.sh writes one directory per Secret, its files the keys
+        # (tests/integration/test_etcd_rbac.py runs it); the same shape, made quicker.
+        ca = make_ca(pki / "etcd", "etcd")
+        client = ca.issue(ETCD_CLIENT_CNS[name])
+        return {"tls.crt": client.cert.read_bytes(), "tls.key": client.key.read_bytes(),
                 "ca.crt": ca.cert.read_bytes()}
     raise AssertionError(f"the DaemonSet mounts Secret {name!r}, which docs/kubernetes.md "
                          "does not say how to create")
@@ -315,6 +334,10 @@ def test_secrets_configmap_and_volumes_match_the_flags(tmp_path: Path) -> None:
                       ("--tls-ca", "ca.crt")):
         tls, name = source(flag)
         assert tls["secret"]["secretName"] == "ultrad-tls" and name == key
+    for flag, key in (("--etcd-cert", "tls.crt"), ("--etcd-key", "tls.key"),
+                      ("--etcd-ca", "ca.crt")):
+        tls, name = source(flag)
+        assert tls["secret"]["secretName"] == "ultrad-etcd-client" and name == key
     job, key = source("--job-file")
     configmap = objects()[("ConfigMap", job["configMap"]["name"])]
     assert key in configmap["data"]
@@ -327,6 +350,10 @@ def test_secrets_configmap_and_volumes_match_the_flags(tmp_path: Path) -> None:
     assert "kubectl -n ultrascale create secret generic ultrad-token --from-file=token=" in docs
     assert re.search(r"create secret generic ultrad-tls\s+\\?\s*--from-file=tls\.crt=.*"
                      r"--from-file=tls\.key=.*--from-file=ca\.crt=", docs, re.S)
+    # etcd's Secrets: one directory of deploy/etcd/make-certs.sh's output each.
+    for secret in ("etcd-server-tls", "etcd-peer-tls", "etcd-root-client", "ultrad-etcd-client"):
+        assert secret in docs and secret in (REPO / "deploy/etcd/make-certs.sh").read_text()
+    assert "create secret generic \"$s\" --from-file=" in docs
 
 
 def test_devices_match_the_gpu_request_and_the_grace_period_allows_a_drain(
@@ -358,12 +385,179 @@ def test_the_agents_dial_every_etcd_member_by_its_stable_name(tmp_path: Path) ->
     ns, svc = "$(POD_NAMESPACE)", service["metadata"]["name"]
     members = [f"{sts['metadata']['name']}-{i}" for i in range(replicas)]
     assert args["--initial-cluster"] == ",".join(
-        f"{m}=http://{m}.{svc}.{ns}.svc:{ports['peer']}" for m in members)
+        f"{m}=https://{m}.{svc}.{ns}.svc:{ports['peer']}" for m in members)
     assert args["--initial-advertise-peer-urls"] \
-        == f"http://$(POD_NAME).{svc}.{ns}.svc:{ports['peer']}"
+        == f"https://$(POD_NAME).{svc}.{ns}.svc:{ports['peer']}"
     assert args["--data-dir"].startswith(
         next(m["mountPath"] for m in etcd["volumeMounts"]
              if m["name"] == claim["metadata"]["name"]))
     opts = parsed_options(tmp_path)
     assert opts["etcd"].split(",") == [
-        f"http://{m}.{svc}.{DOWNWARD['POD_NAMESPACE']}.svc:{ports['client']}" for m in members]
+        f"https://{m}.{svc}.{DOWNWARD['POD_NAMESPACE']}.svc:{ports['client']}" for m in members]
+
+
+# -- etcd locked down, as `kubectl kustomize deploy/k8s` renders it ------------------------------
+#
+# What is applied is the kustomize output (namespace set, generated names resolved), so these
+# checks read that rather than the files.
+
+
+
+@functools.cache
+def _kustomize(directory: Path) -> str:
+    kubectl = shutil.which("kubectl")
+    if kubectl is None:
+        pytest.skip("kubectl is not installed (CI installs it: .ci/run)")
+    return subprocess.run([kubectl, "kustomize", str(directory)], capture_output=True,
+                          text=True, timeout=120, check=True).stdout
+
+
+def built(directory: Path = K8S) -> list[dict[str, Any]]:
+    return [d for d in yaml.safe_load_all(_kustomize(directory)) if d]
+
+
+def built_object(docs: list[dict[str, Any]], kind: str, name: str) -> dict[str, Any]:
+    found = [d for d in docs if d["kind"] == kind and d["metadata"]["name"] == name]
+    assert len(found) == 1, f"the kustomize output has no single {kind}/{name}"
+    return found[0]
+
+
+def flag_values(args: list[str]) -> dict[str, str]:
+    """`--flag=value` args as a dict; a bare `--flag` is "true" (etcd's boolean flags)."""
+    out = {}
+    for arg in args:
+        name, sep, value = arg.partition("=")
+        assert name not in out, f"{name} given twice"
+        out[name] = value if sep else "true"
+    return out
+
+
+def mounted_file(pod: dict[str, Any], container: dict[str, Any], path: str
+                 ) -> tuple[dict[str, Any], str]:
+    """The volume that provides `path` in `container`, and the key (file name) within it."""
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    for mount in container.get("volumeMounts", ()):
+        if Path(path).parent == Path(mount["mountPath"]):
+            return volumes[mount["name"]], Path(path).name
+    raise AssertionError(f"{path} is on no volume of container {container['name']}")
+
+
+def urls(value: str) -> list[str]:
+    return [u.split("=", 1)[-1] for u in value.split(",")]
+
+
+def test_kustomized_etcd_serves_clients_and_peers_over_mutual_tls() -> None:
+    docs = built()
+    sts = built_object(docs, "StatefulSet", "etcd")
+    pod = sts["spec"]["template"]["spec"]
+    (etcd,) = pod["containers"]
+    args = flag_values(etcd["args"])
+    for flag in ("--listen-client-urls", "--advertise-client-urls", "--listen-peer-urls",
+                 "--initial-advertise-peer-urls", "--initial-cluster"):
+        assert all(u.startswith("https://") for u in urls(args[flag])), (flag, args[flag])
+    # Both listeners require a certificate signed by their CA (etcd's boolean flags).
+    assert args.get("--client-cert-auth") == "true", "clients need a certificate"
+    assert args.get("--peer-client-cert-auth") == "true", "peers need a certificate"
+    for flag in ("--auto-tls", "--peer-auto-tls"):
+        assert args.get(flag, "false") == "false", f"{flag}: self-signed, nobody verified"
+    # The JSON gateway would forward requests under the server certificate's own name.
+    assert args.get("--enable-grpc-gateway") == "false"
+    secrets = {}
+    for flag in ("--cert-file", "--key-file", "--trusted-ca-file", "--peer-cert-file",
+                 "--peer-key-file", "--peer-trusted-ca-file"):
+        volume, key = mounted_file(pod, etcd, args[flag])
+        assert "secret" in volume, f"{flag} comes from a Secret"
+        assert key in ("tls.crt", "tls.key", "ca.crt"), (flag, key)
+        assert volume["secret"]["defaultMode"] & 0o077 == 0, f"{flag}: only etcd reads it"
+        secrets[flag] = volume["secret"]["secretName"]
+    # Peers are a CA of their own: a client certificate never makes a member.
+    assert secrets["--trusted-ca-file"] != secrets["--peer-trusted-ca-file"]
+    assert secrets["--cert-file"] == secrets["--key-file"] == secrets["--trusted-ca-file"]
+    assert secrets["--peer-cert-file"] == secrets["--peer-key-file"] \
+        == secrets["--peer-trusted-ca-file"]
+
+
+def test_kustomized_agents_dial_etcd_over_https_with_the_agent_client_certificate() -> None:
+    docs = built()
+    ds = built_object(docs, "DaemonSet", "ultrad")
+    pod = ds["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    args = flag_values(container["args"])
+    namespace = kustomization(K8S)["namespace"]
+    sts = built_object(docs, "StatefulSet", "etcd")
+    members = [f"etcd-{i}" for i in range(sts["spec"]["replicas"])]
+    env = {**DOWNWARD, "POD_NAMESPACE": namespace}
+    assert expand(args["--etcd"], env).split(",") == [
+        f"https://{m}.{sts['spec']['serviceName']}.{namespace}.svc:2379" for m in members]
+    for flag, key in (("--etcd-ca", "ca.crt"), ("--etcd-cert", "tls.crt"),
+                      ("--etcd-key", "tls.key")):
+        volume, name = mounted_file(pod, container, args[flag])
+        assert name == key and volume["secret"]["secretName"] in ETCD_CLIENT_CNS, flag
+        assert volume["secret"]["defaultMode"] & 0o077 == 0, flag
+    # etcd names the agents by their certificate (CN ultrascale-agent): no password exists.
+    assert "--etcd-user" not in args and "--etcd-password-file" not in args
+
+
+def _selects(selector: dict[str, Any], labels: dict[str, str]) -> bool:
+    assert set(selector) <= {"matchLabels"}, f"only matchLabels are checked here: {selector}"
+    return selector.get("matchLabels", {}).items() <= labels.items()
+
+
+def test_kustomized_network_policy_admits_only_ultrad_and_the_bootstrap_to_etcd() -> None:
+    docs = built()
+    workloads = {(d["kind"], d["metadata"]["name"]): d["spec"]["template"]["metadata"]["labels"]
+                 for d in docs if d["kind"] in ("DaemonSet", "StatefulSet", "Job", "Deployment")}
+    etcd_labels = workloads[("StatefulSet", "etcd")]
+    policies = [d for d in docs if d["kind"] == "NetworkPolicy"
+                and _selects(d["spec"]["podSelector"], etcd_labels)]
+    assert len(policies) == 1, "one NetworkPolicy selects the etcd pods"
+    (policy,) = policies
+    validate(policy, "NetworkPolicy")
+    assert "Ingress" in policy["spec"]["policyTypes"]
+    admitted: dict[int, set[tuple[str, str]]] = {}
+    node_blocks: list[str] = []
+    for rule in policy["spec"]["ingress"]:
+        assert rule.get("ports"), f"a rule without ports opens every port: {rule}"
+        assert rule.get("from"), f"a rule without sources admits everyone: {rule}"
+        ports = {p["port"] for p in rule["ports"]}
+        for source in rule["from"]:
+            assert "namespaceSelector" not in source, f"another namespace: {source}"
+            if "ipBlock" in source:
+                # The GPU nodes' subnet: the agents run with hostNetwork, so most network
+                # plugins see their traffic as coming from the node (docs/kubernetes.md).
+                assert ports == {2379}, "node addresses reach the client port only"
+                assert source["ipBlock"]["cidr"] not in ("0.0.0.0/0", "::/0")
+                node_blocks.append(source["ipBlock"]["cidr"])
+                continue
+            matched = {w for w, labels in workloads.items()
+                       if _selects(source["podSelector"], labels)}
+            for port in ports:
+                admitted.setdefault(port, set()).update(matched)
+    assert admitted == {2379: {("DaemonSet", "ultrad"), ("Job", "etcd-rbac")},
+                        2380: {("StatefulSet", "etcd")}}, admitted
+    assert len(node_blocks) <= 1
+    for cidr in node_blocks:
+        assert cidr in DOCS.read_text(), f"docs/kubernetes.md says what {cidr} stands for"
+
+
+def test_kustomized_bootstrap_job_runs_the_rbac_script_as_etcd_root() -> None:
+    docs = built()
+    job = built_object(docs, "Job", "etcd-rbac")
+    validate(job, "Job")
+    pod = job["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    env = {e["name"]: e.get("value") for e in container["env"]}
+    script = container["command"][-1]
+    volume, key = mounted_file(pod, container, script)
+    assert key == "rbac.sh"
+    configmap = built_object(docs, "ConfigMap", volume["configMap"]["name"])
+    assert configmap["data"]["rbac.sh"] == (REPO / "deploy" / "etcd" / "rbac.sh").read_text()
+    for var, name in (("ETCDCTL_CACERT", "ca.crt"), ("ETCDCTL_CERT", "tls.crt"),
+                      ("ETCDCTL_KEY", "tls.key")):
+        secret, file = mounted_file(pod, container, env[var])
+        assert file == name and secret["secret"]["secretName"] == "etcd-root-client", var
+    assert all(u.startswith("https://") for u in env["ETCDCTL_ENDPOINTS"].split(","))
+    security = container["securityContext"]
+    assert security["allowPrivilegeEscalation"] is False
+    assert security["capabilities"]["drop"] == ["ALL"]
+    assert pod["securityContext"]["runAsNonRoot"] is True
