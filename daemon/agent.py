@@ -48,8 +48,7 @@ from daemon.recovery_phases import RecoveryPhases
 from daemon.state import AgentState, StateMachine
 from daemon.tasks import Backoff, TaskSupervisor
 from daemon.worker_reports import WorkerReports
-from parallel.job import ConfigError, FaultConfig
-from parallel.job_paths import check_paths
+from parallel.job import FaultConfig
 from parallel.planner import Plan
 
 log = logging.getLogger(__name__)
@@ -267,8 +266,6 @@ class Agent(WorkerReports):
         if plan is not None and plan.generation != self._seen_generation:
             self._seen_generation = plan.generation
             self.metrics.observe_plan(plan, self.view.progress)
-            if in_plan and not self._paths_allowed(plan):
-                in_plan = False
             if in_plan:
                 self.state.to(AgentState.RECONFIGURING, f"generation {plan.generation}")
                 if self.snapshots is not None and plan.predicted.snapshot_host_bytes:
@@ -286,21 +283,6 @@ class Agent(WorkerReports):
         else:
             self.state.to(AgentState.WAITING, "not in the current generation"
                           if plan is not None else "no generation yet")
-
-    def _paths_allowed(self, plan: Plan) -> bool:
-        """Whether the job's paths lie under this node's allowed roots. SubmitJob checked them
-        on the agent that took the job; a spec written into etcd directly was checked by nobody.
-        A refused generation is never handed to a worker, and fails the job at once."""
-        try:
-            check_paths(plan.job, self.config.job_roots)
-        except ConfigError as exc:
-            g = plan.generation
-            log.error("refusing generation %d: %s", g, exc)
-            self.broken_generation = max(self.broken_generation, g)
-            self._report_failure(f"failure-{self.node_id}-{g}-paths", g, FailureKind.STORAGE, -1,
-                                 f"{self.node_id} refuses the job's paths: {exc}")
-            return False
-        return True
 
     async def _standby(self, plan: Plan | None) -> None:
         """Keep a standby worker while this node trains in a job that goes on and the agent
