@@ -162,7 +162,7 @@ def run_ultrad(work: Path, job: Path, steps: int, nodes: int, snapshots: bool
     from daemon.cli.local import LocalCluster, _call
     from proto.ultrascale.v1 import agent_pb2 as pb
 
-    cluster = LocalCluster(work / "state", nodes, 1, ttl=2)
+    cluster = LocalCluster(work / "state", nodes, 1, ttl=2, allowed_paths=(work,))
     output = work / "output"
     pids: set[int] = set()
     meter = CpuMeter(output / "steps.jsonl")

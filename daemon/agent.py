@@ -130,8 +130,8 @@ class Agent(WorkerReports):
             self.io, lambda: self.membership is not None and self.membership.etcd_ok),
             "etcd-health")
         if cfg.job_file is not None:
-            spawn(offer_job_file(self.etcd, self.keys, cfg.job_file, cfg.ttl), "job-file",
-                  long_lived=False)
+            spawn(offer_job_file(self.etcd, self.keys, cfg.job_file, cfg.ttl, cfg.job_roots),
+                  "job-file", long_lived=False)
         if self.supervisor is not None:
             spawn(Watchdog(self.hangs, self._fault, self._kill_hung,
                            lambda: self.view.generation, cfg.ttl,

@@ -49,6 +49,12 @@ class AgentConfig:
     etcd_outage_s: float = 60.0
     # In-memory snapshots live in <snapshot_base>/ultrascale/<job>/<node> (docs/snapshots.md).
     snapshot_base: Path = Path("/dev/shm")
+    # Directories a job's paths must lie under (parallel.job_paths); empty: the state dir.
+    allowed_paths: tuple[Path, ...] = ()
+
+    @property
+    def job_roots(self) -> tuple[Path, ...]:
+        return self.allowed_paths or (self.state_dir,)
 
     @property
     def debounce_s(self) -> float:

@@ -9,22 +9,24 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import sys
+import math
 import types
 import typing
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, Union
+from typing import Any, Literal, NewType, Union
 
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # pragma: no cover
-    import tomli as tomllib
+from parallel import bounded_toml
 
 
 class ConfigError(ValueError):
     """A job spec problem, always naming the field (`section.key`)."""
+
+
+# A field naming a file or directory the workers read or write: agents refuse a spec whose
+# paths lie outside the roots they allow (parallel.job_paths).
+JobPath = NewType("JobPath", str)
 
 
 @dataclass(frozen=True)
@@ -52,9 +54,9 @@ class ModelConfig:
 class DataConfig:
     """Exactly one of `path` (a prepared token file) or `source` (a built-in corpus)."""
 
-    path: str = ""
+    path: JobPath = JobPath("")
     source: str = ""
-    cache_dir: str = "~/.cache/ultrascale"
+    cache_dir: JobPath = JobPath("~/.cache/ultrascale")
 
 
 @dataclass(frozen=True)
@@ -107,7 +109,7 @@ REPLAN_DIMS = (
 
 @dataclass(frozen=True)
 class CheckpointConfig:
-    dir: str = ""
+    dir: JobPath = JobPath("")
     every: int = 0
     keep: int = 2
     # In-memory snapshots (docs/snapshots.md), taken by workers an agent runs: every this many
@@ -149,7 +151,7 @@ class FaultConfig:
 @dataclass(frozen=True)
 class JobMeta:
     name: str = "job"
-    output_dir: str = ""
+    output_dir: JobPath = JobPath("")
 
 
 @dataclass(frozen=True)
@@ -168,6 +170,37 @@ class JobConfig:
 
 _SECTIONS: dict[str, type] = {f.name: f.default_factory for f in dataclasses.fields(JobConfig)}  # type: ignore[misc]
 
+# Bounds on any value, so that nothing read from a spec is unbounded (README, "Job files").
+MAX_STRING = 4096  # characters: a path's PATH_MAX
+MAX_LIST = 64  # items
+MAX_STEPS = 10**9
+MAX_SECONDS = 86400.0  # a day: any deadline or delay
+# The largest value of every int and float field: far beyond any real job, small enough that
+# nothing derived from them (world sizes, sample counts, deadlines) overflows or runs forever.
+MAX: dict[str, int | float] = {
+    "model.hidden_size": 2**17, "model.intermediate_size": 2**19,
+    "model.num_hidden_layers": 2**12, "model.num_attention_heads": 2**12,
+    "model.num_key_value_heads": 2**12, "model.vocab_size": 2**22,
+    "model.max_position_embeddings": 2**24, "model.rope_theta": 1e12, "model.rms_norm_eps": 1.0,
+    "model.initializer_range": 1.0,
+    "train.steps": MAX_STEPS, "train.global_batch": 2**24, "train.seq_len": 2**24,
+    "train.seed": 2**63 - 1, "train.lr": 10.0, "train.min_lr": 10.0,
+    "train.warmup_steps": MAX_STEPS, "train.weight_decay": 10.0, "train.beta1": 1.0,
+    "train.beta2": 1.0, "train.eps": 1.0, "train.grad_clip": 1e9,
+    "parallel.dp": 2**16, "parallel.tp": 2**10, "parallel.pp": 2**10, "parallel.cp": 2**10,
+    "parallel.virtual_stages": 2**10, "parallel.micro_batch": 2**24,
+    "checkpoint.every": MAX_STEPS, "checkpoint.keep": 1000, "checkpoint.snapshot_every": MAX_STEPS,
+    "fault.hang_floor_s": MAX_SECONDS, "fault.hang_step_factor": 1000.0,
+    "fault.join_timeout_s": MAX_SECONDS, "fault.restore_timeout_s": MAX_SECONDS,
+    "fault.first_step_timeout_s": MAX_SECONDS, "fault.heartbeat_timeout_s": MAX_SECONDS,
+    "fault.max_failures": 1000, "fault.backoff_s": MAX_SECONDS, "fault.backoff_max_s": MAX_SECONDS,
+}
+
+
+def _shown(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else f"{text[:60]}... ({len(text)} characters)"
+
 
 def _type_name(tp: Any) -> str:
     origin = typing.get_origin(tp)
@@ -180,21 +213,24 @@ def _type_name(tp: Any) -> str:
 
 def _coerce(name: str, tp: Any, value: Any) -> Any:
     """Check `value` against the annotation `tp`; ints are accepted where floats are expected."""
+    tp = str if tp is JobPath else tp
     origin = typing.get_origin(tp)
     if origin is Literal:
         if value in typing.get_args(tp) and type(value) in {type(a) for a in typing.get_args(tp)}:
             return value
-        raise ConfigError(f"{name} must be one of {_type_name(tp)} (got {value!r})")
+        raise ConfigError(f"{name} must be one of {_type_name(tp)} (got {_shown(value)})")
     if origin in (Union, types.UnionType):
         for option in typing.get_args(tp):
             try:
                 return _coerce(name, option, value)
             except ConfigError:
                 continue
-        raise ConfigError(f"{name} must be {_type_name(tp)} (got {value!r})")
+        raise ConfigError(f"{name} must be {_type_name(tp)} (got {_shown(value)})")
     if origin is tuple:
         if not isinstance(value, (list, tuple)):
-            raise ConfigError(f"{name} must be a list (got {type(value).__name__} {value!r})")
+            raise ConfigError(f"{name} must be a list (got {type(value).__name__} {_shown(value)})")
+        if len(value) > MAX_LIST:
+            raise ConfigError(f"{name} must have at most {MAX_LIST} items (got {len(value)})")
         item = typing.get_args(tp)[0]
         return tuple(_coerce(f"{name}[{i}]", item, v) for i, v in enumerate(value))
     if tp is bool:
@@ -202,13 +238,21 @@ def _coerce(name: str, tp: Any, value: Any) -> Any:
             return value
     elif tp is int:
         if isinstance(value, int) and not isinstance(value, bool):
+            if not -(2**63) <= value < 2**63:
+                raise ConfigError(f"{name} must be a 64-bit integer (got {_shown(value)})")
             return value
     elif tp is float:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
+            if abs(value) >= 2**63 or not math.isfinite(value):  # 2**63 first: no OverflowError
+                raise ConfigError(f"{name} must be a finite number (got {_shown(value)})")
             return float(value)
     elif tp is str and isinstance(value, str):
+        if len(value) > MAX_STRING:
+            raise ConfigError(f"{name} must be at most {MAX_STRING} characters "
+                              f"(got {len(value)})")
         return value
-    raise ConfigError(f"{name} must be {_type_name(tp)} (got {type(value).__name__} {value!r})")
+    raise ConfigError(f"{name} must be {_type_name(tp)} "
+                      f"(got {type(value).__name__} {_shown(value)})")
 
 
 @functools.cache
@@ -238,6 +282,11 @@ def _positive(name: str, value: int | float) -> None:
 def validate(cfg: JobConfig) -> None:
     """Checks that need more than one field. Layout-vs-world checks live in parallel.layout."""
     m, t, p, d, c = cfg.model, cfg.train, cfg.parallel, cfg.data, cfg.checkpoint
+    for name, limit in MAX.items():
+        section, key = name.split(".")
+        value = getattr(getattr(cfg, section), key)
+        if not isinstance(value, str) and value > limit:
+            raise ConfigError(f"{name} must be <= {limit} (got {value})")
     for key in (
         "hidden_size",
         "intermediate_size",
@@ -276,6 +325,8 @@ def validate(cfg: JobConfig) -> None:
         raise ConfigError(
             f"train.lr must be > 0 and train.min_lr in [0, lr] (got {t.lr}, {t.min_lr})"
         )
+    if t.seed < 0:
+        raise ConfigError(f"train.seed must be >= 0 (got {t.seed})")
     if t.warmup_steps < 0 or t.weight_decay < 0 or t.grad_clip < 0 or t.eps <= 0:
         raise ConfigError(
             "train.warmup_steps, weight_decay and grad_clip must be >= 0, train.eps > 0"
@@ -370,8 +421,10 @@ def parse_override(item: str) -> tuple[list[str], Any]:
     if len(path) != 2 or not all(path):
         raise ConfigError(f"--set key must look like section.key (got {key!r})")
     try:
-        value = tomllib.loads(f"v = {text}")["v"]
-    except tomllib.TOMLDecodeError:
+        value = bounded_toml.loads(f"v = {text}", f"--set {key}")["v"]
+    except bounded_toml.TooDeep as exc:
+        raise ConfigError(str(exc)) from None
+    except bounded_toml.TomlError:
         value = text
     return path, value
 
@@ -393,9 +446,9 @@ def apply_overrides(raw: Mapping[str, Any], overrides: Sequence[str]) -> dict[st
 
 def loads(text: str, overrides: Sequence[str] = (), source: str = "<string>") -> JobConfig:
     try:
-        raw = tomllib.loads(text)
-    except tomllib.TOMLDecodeError as exc:
-        raise ConfigError(f"{source}: not valid TOML: {exc}") from None
+        raw = bounded_toml.loads(text, source)
+    except bounded_toml.TomlError as exc:
+        raise ConfigError(str(exc)) from None
     return from_dict(apply_overrides(raw, overrides))
 
 

@@ -21,6 +21,19 @@ def slow(reason: str) -> pytest.MarkDecorator:
                               reason=f"{reason}; set ULTRA_SLOW=1 to run")
 
 
+@pytest.fixture(scope="session", autouse=True)
+def allowed_job_paths(tmp_path_factory: pytest.TempPathFactory):
+    """Agents that tests start allow job paths under pytest's temporary directory, where every
+    test keeps its data and output (ULTRA_ALLOWED_PATHS; tests of the check narrow it)."""
+    old = os.environ.get("ULTRA_ALLOWED_PATHS")
+    os.environ["ULTRA_ALLOWED_PATHS"] = str(tmp_path_factory.getbasetemp())
+    yield
+    if old is None:
+        del os.environ["ULTRA_ALLOWED_PATHS"]
+    else:
+        os.environ["ULTRA_ALLOWED_PATHS"] = old
+
+
 @pytest.fixture(scope="session")
 def token_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """200k byte tokens: a seeded random walk over a small alphabet, so there is something to learn."""

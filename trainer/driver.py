@@ -25,6 +25,7 @@ from checkpoint.durable import CheckpointManager
 from checkpoint.manifest import checkpoint_dir
 from checkpoint.snapshot_reader import Fetch
 from parallel.job import JobConfig
+from parallel.job_paths import job_path
 from parallel.layout import Layout
 from parallel.planner import Restore
 from trainer.loop import StepResult, Trainer
@@ -49,20 +50,17 @@ def select_device(local_rank: int) -> tuple[torch.device, str, str]:
 
 def output_dir(job: JobConfig) -> Path | None:
     """job.output_dir, or None when the job does not set one."""
-    return Path(job.job.output_dir).expanduser() if job.job.output_dir else None
+    return job_path(job, "job.output_dir")
 
 
 def checkpoint_root(job: JobConfig) -> Path | None:
     """Where the job's checkpoints live; None when checkpointing is off.
 
     A relative checkpoint.dir is under job.output_dir when the job sets one (a daemon-run job's
-    output stays together), else relative to the working directory.
+    output stays together), else relative to the working directory. The agents check this
+    same path against their allowed_paths (parallel.job_paths).
     """
-    if not job.checkpoint.dir:
-        return None
-    root = Path(job.checkpoint.dir).expanduser()
-    out = output_dir(job)
-    return root if root.is_absolute() or out is None else out / root
+    return job_path(job, "checkpoint.dir")
 
 
 class StepLog:

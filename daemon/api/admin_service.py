@@ -10,6 +10,7 @@ from typing import Protocol
 import grpc
 
 from daemon.api.events import history
+from daemon.config import AgentConfig
 from daemon.control.etcd_client import Etcd
 from daemon.control.job_submit import prepare_spec, write_spec
 from daemon.control.keys import Keys
@@ -24,6 +25,7 @@ class AdminHost(Protocol):
     """What the service needs from the agent (the agent implements it)."""
 
     node_id: str
+    config: AgentConfig
     view: ClusterView
     etcd: Etcd
     keys: Keys
@@ -91,9 +93,13 @@ class AdminService(pb_grpc.AgentServicer):
     async def SubmitJob(self, request: pb.SubmitJobRequest,
                         context: grpc.aio.ServicerContext) -> pb.SubmitJobResponse:
         try:
-            spec = prepare_spec(request.spec_toml, request.overrides, source="job spec")
+            spec = prepare_spec(request.spec_toml, request.overrides, source="job spec",
+                                roots=self.host.config.job_roots)
         except jobmod.ConfigError as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            # Bounded: a message quoting what a spec holds must fit gRPC's status metadata.
+            message = str(exc)
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, message if len(message) < 2000
+                                else f"{message[:2000]}... ({len(message)} characters)")
         revision = await write_spec(self.host.etcd, self.host.keys, spec, request.replace)
         if revision is None:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION,

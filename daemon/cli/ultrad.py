@@ -31,13 +31,17 @@ from daemon.control.job_submit import read_job_file
 from daemon.control.keys import check_name
 from daemon.procutil import arm_parent_death
 from daemon.tls_files import read_pem
-
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # pragma: no cover
-    import tomli as tomllib
+from parallel import bounded_toml
 
 log = logging.getLogger("ultrad")
+
+
+def path_list(value: Any) -> tuple[str, ...]:
+    """`allowed_paths`: a TOML list of paths, or (flag, env) paths separated by ':'."""
+    items = value.split(os.pathsep) if isinstance(value, str) else value
+    if not isinstance(items, list | tuple) or not all(isinstance(p, str) for p in items):
+        raise TypeError(value)
+    return tuple(p for p in items if p)
 
 # name: (type, default, help); None default = required.
 _OPTIONS: dict[str, tuple[type, Any, str]] = {
@@ -60,6 +64,9 @@ _OPTIONS: dict[str, tuple[type, Any, str]] = {
     "token_file": (str, "", "admin bearer token file (default: generated in the state dir)"),
     "job": (str, "default", "job namespace in etcd: keys live under /ultrascale/<job>/"),
     "job_file": (str, "", "job file (TOML) to submit at start unless a job is already stored"),
+    "allowed_paths": (path_list, "", "directories, separated by ':', that a job's paths (its "
+                                     "output, checkpoint, data and cache directories) must lie "
+                                     "under (default: the state dir)"),
     "ttl": (int, 5, "lease TTL in seconds; every other timeout derives from it"),
     "advertise_host": (str, "", "host peers and workers reach this agent at (default: the "
                                 "listen host; for a wildcard listen, the address that routes "
@@ -107,9 +114,11 @@ def resolve_options(args: argparse.Namespace, env: dict[str, str]) -> dict[str, 
     config = args.config or env.get("ULTRA_CONFIG")
     if config:
         try:
-            file_values = tomllib.loads(Path(config).read_text())
-        except (OSError, tomllib.TOMLDecodeError) as exc:
+            file_values = bounded_toml.loads(Path(config).read_text(), f"--config {config}")
+        except OSError as exc:
             raise UsageError(f"--config {config}: {exc}") from None
+        except bounded_toml.TomlError as exc:
+            raise UsageError(str(exc)) from None
         unknown = set(file_values) - set(_OPTIONS) - set(_FLAGS)
         if unknown:
             raise UsageError(f"--config {config}: unknown key(s) {', '.join(sorted(unknown))}")
@@ -145,15 +154,20 @@ def build_config(opts: dict[str, Any]) -> Any:
         raise UsageError(f"--devices must be >= 0 (got {opts['devices']})")
     if opts["device_memory"] < 0:
         raise UsageError(f"--device-memory must be >= 0 bytes (got {opts['device_memory']})")
-    if opts["etcd_outage"] < 0:
-        raise UsageError(f"--etcd-outage must be >= 0 (got {opts['etcd_outage']})")
-    if opts["ttl"] < 2:
-        raise UsageError(f"--ttl must be >= 2 seconds (etcd's minimum lease; got {opts['ttl']})")
+    if not 0 <= opts["etcd_outage"] <= 86400:  # also refuses nan and inf
+        raise UsageError(f"--etcd-outage must be in [0, 86400] seconds "
+                         f"(got {opts['etcd_outage']})")
+    if not 2 <= opts["ttl"] <= 3600:
+        raise UsageError(f"--ttl must be in [2, 3600] seconds (etcd's minimum lease is 2; "
+                         f"got {opts['ttl']})")
     if opts["advertise_host"] and is_wildcard(opts["advertise_host"]):
         raise UsageError(f"--advertise-host {opts['advertise_host']} is a wildcard; give an "
                          "address or name peers can reach")
     if bool(opts["tls_cert"]) != bool(opts["tls_key"]):
         raise UsageError("--tls-cert and --tls-key go together")
+    state_dir = Path(opts["state_dir"]).expanduser()
+    allowed_paths = tuple(Path(p).expanduser().absolute() for p in opts["allowed_paths"])
+    job_roots = allowed_paths or (state_dir,)
     tls = None
     if opts["tls_cert"]:
         tls = TLSConfig(Path(opts["tls_cert"]), Path(opts["tls_key"]),
@@ -168,7 +182,7 @@ def build_config(opts: dict[str, Any]) -> Any:
         # scrape it without --insecure (which would also allow a clear-text gRPC listener).
         split_host_port(opts["metrics_listen"], "--metrics-listen")
         if opts["job_file"]:
-            read_job_file(Path(opts["job_file"]))
+            read_job_file(Path(opts["job_file"]), job_roots)
         if opts["health_listen"]:
             check_health_listen(opts["health_listen"])
     except (AuthError, ValueError) as exc:
@@ -179,7 +193,7 @@ def build_config(opts: dict[str, Any]) -> Any:
         device_memory=opts["device_memory"],
         listen=opts["listen"], metrics_listen=opts["metrics_listen"],
         health_listen=opts["health_listen"],
-        state_dir=Path(opts["state_dir"]).expanduser(), job=opts["job"], ttl=opts["ttl"],
+        state_dir=state_dir, job=opts["job"], ttl=opts["ttl"], allowed_paths=allowed_paths,
         job_file=Path(opts["job_file"]) if opts["job_file"] else None,
         token_file=Path(opts["token_file"]).expanduser() if opts["token_file"] else None,
         insecure=opts["insecure"], tls=tls, advertise_host=opts["advertise_host"],

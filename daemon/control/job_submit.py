@@ -19,6 +19,7 @@ from daemon.control.keys import Keys
 from daemon.control.records import JobSpec
 from daemon.tasks import Backoff
 from parallel import job as jobmod
+from parallel.job_paths import check_paths
 from parallel.layout import resolve
 
 log = logging.getLogger(__name__)
@@ -28,9 +29,13 @@ log = logging.getLogger(__name__)
 MAX_SPEC_BYTES = 1024 * 1024
 
 
-def prepare_spec(toml: str, overrides: Sequence[str], source: str) -> JobSpec:
-    """The validated job as stored in etcd; jobmod.ConfigError names the offending field."""
+def prepare_spec(toml: str, overrides: Sequence[str], source: str,
+                 roots: Sequence[Path]) -> JobSpec:
+    """The validated job as stored in etcd; jobmod.ConfigError names the offending field.
+
+    Its paths must lie under `roots` (the agent's allowed_paths, parallel.job_paths)."""
     job = jobmod.loads(toml, list(overrides), source=source)
+    check_paths(job, roots)
     p = job.parallel
     # Check the layout on the smallest world it could run on, so an unsupported or
     # inconsistent parallelism is refused now rather than when nodes are planned.
@@ -57,7 +62,7 @@ async def write_spec(etcd: Etcd, keys: Keys, spec: JobSpec, replace: bool) -> in
     return int(responses[0].response_put.header.revision) if ok else None
 
 
-def read_job_file(path: Path) -> JobSpec:
+def read_job_file(path: Path, roots: Sequence[Path]) -> JobSpec:
     """`--job-file`, validated; ValueError names the flag and the file."""
     try:
         text = path.read_text()
@@ -65,16 +70,17 @@ def read_job_file(path: Path) -> JobSpec:
         raise ValueError(f"--job-file {path}: {exc.strerror}") from None
     source = f"--job-file {path}"
     try:
-        return prepare_spec(text, (), source=source)
+        return prepare_spec(text, (), source=source, roots=roots)
     except jobmod.ConfigError as exc:
         message = str(exc)
         raise ValueError(message if message.startswith(source) else f"{source}: {message}"
                          ) from None
 
 
-async def offer_job_file(etcd: Etcd, keys: Keys, path: Path, ttl: float) -> None:
+async def offer_job_file(etcd: Etcd, keys: Keys, path: Path, ttl: float,
+                         roots: Sequence[Path]) -> None:
     """Store the job of `path` unless a job is already stored; retried until etcd answers."""
-    spec = read_job_file(path)
+    spec = read_job_file(path, roots)
     backoff = Backoff(initial=0.1, maximum=ttl / 2)
     while True:
         try:

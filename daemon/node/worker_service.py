@@ -22,10 +22,14 @@ from typing import Protocol
 
 import grpc
 
+from daemon.config import AgentConfig
 from daemon.control.records import FailureKind
 from daemon.control.view import ClusterView
 from daemon.node.snapshot_files import PIECE_BYTES
 from daemon.node.snapshot_keeper import SnapshotKeeper
+from parallel.job import ConfigError
+from parallel.job_paths import check_paths
+from parallel.planner import Plan
 from proto.ultrascale.v1 import agent_pb2 as pb
 from proto.ultrascale.v1 import agent_pb2_grpc as pb_grpc
 
@@ -35,6 +39,7 @@ class WorkerHost(Protocol):
 
     node_id: str
     devices: int
+    config: AgentConfig
     view: ClusterView
     broken_generation: int  # a local worker failed in it: hand it to nobody any more
     snapshots: SnapshotKeeper | None  # None: this agent keeps no snapshots
@@ -77,6 +82,18 @@ class WorkerControlService(pb_grpc.WorkerControlServicer):
         handed = self._handed.get(local)
         return handed is not None and handed != plan.store.prefix
 
+    def _paths_allowed(self, local: int, plan: Plan) -> bool:
+        """Whether the job's paths lie under this node's allowed roots. SubmitJob checked them
+        on the agent that took the job, but a spec written into etcd directly was checked by
+        nobody: a refused generation reaches no worker and fails the job (no retry helps)."""
+        try:
+            check_paths(plan.job, self.host.config.job_roots)
+        except ConfigError as exc:
+            self.host.on_worker_failure(local, plan.generation, FailureKind.STORAGE, -1,
+                                        f"{self.host.node_id} refuses the job's paths: {exc}")
+            return False
+        return True
+
     async def GetGeneration(self, request: pb.GenerationRequest,
                             context: grpc.aio.ServicerContext) -> pb.GenerationPlan:
         host, view, after = self.host, self.host.view, request.after_generation
@@ -90,7 +107,8 @@ class WorkerControlService(pb_grpc.WorkerControlServicer):
                             wait)
         plan = view.plan
         exit_ = host.worker_should_exit(local)
-        if plan is None or not self._news(local, after) or exit_:
+        if plan is None or not self._news(local, after) or exit_ \
+                or not self._paths_allowed(local, plan):
             return pb.GenerationPlan(generation=view.generation, changed=False, global_rank=-1,
                                      local_rank=local, exit=exit_)
         mine = [r for r in plan.ranks_of(host.node_id) if r.local_rank == local]
