@@ -1,4 +1,5 @@
-"""The in-memory snapshot format: names, checksums and the manifest (docs/snapshots.md).
+"""The in-memory snapshot format: names, checksums, the manifest, and the private directories
+and files that hold them (docs/snapshots.md).
 
 A snapshot of step s is a directory `<root>/step_<8-digit s>/` in POSIX shared memory:
 
@@ -10,14 +11,21 @@ A snapshot of step s is a directory `<root>/step_<8-digit s>/` in POSIX shared m
 Every file is checksummed per fixed-size chunk, so a reader of a byte range verifies just the
 chunks it touches and a chunked stream to a peer carries ready-made checksums.
 
+Training state is private: every directory of the store, from its base down, is this user's own
+and not writable by anyone else (`private_dirs`), and every file is created new, mode 0600,
+never through a name someone else could have placed (`create_private_file`).
+
 Pure Python, no torch: the agent owns, serves and frees snapshots without importing it.
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import re
+import secrets
+import stat
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,12 +40,15 @@ METADATA_NAME = ".metadata"
 # 4 MiB: big enough that per-chunk overhead is noise, small enough that a byte-range read
 # verifies little beyond what it asked for.
 CHUNK_BYTES = 4 << 20
-DEFAULT_BASE = Path("/dev/shm")
 _STEP_DIR = re.compile(r"step_(\d{8,})")
 
 
 class SnapshotInvalid(ValueError):
     """A snapshot (or part of one) cannot be used; the message names the step, file and rank."""
+
+
+class UnsafeDirectory(PermissionError):
+    """A directory of the snapshot store that another user could change: refused, not reused."""
 
 
 def checksum(data: bytes | memoryview) -> int:
@@ -101,11 +112,90 @@ def unslot(data: bytes, step: int, file: str) -> bytes:
     return data[4:4 + struct.unpack("<I", data[:4])[0]]
 
 
-def snapshot_root(job: str, base: Path = DEFAULT_BASE) -> Path:
-    """Where a node keeps the snapshots of `job`: agent and workers agree on this path."""
+def default_base() -> Path:
+    """The default base of the snapshot store: this user's own directory in shared memory."""
+    return Path(f"/dev/shm/ultrascale-{os.geteuid()}")
+
+
+def snapshot_root(job: str, base: Path | None = None) -> Path:
+    """Where a node keeps the snapshots of `job` (`<base>/<job>`; the node's own are in
+    `<base>/<job>/<node>`): agent and workers agree on this path."""
     if not job or "/" in job or job.startswith("."):
         raise ValueError(f"job name must be a plain file name (got {job!r})")
-    return Path(base) / "ultrascale" / job
+    return Path(default_base() if base is None else base) / job
+
+
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+
+
+def private_dirs(top: Path, path: Path | None = None) -> Path:
+    """`path` (default: `top`; else a directory below it), returned once every directory from
+    `top` down to it is private: one that is missing is made (mode 0700; `top`'s parent must
+    exist), one that exists must be a real directory (not a symbolic link) owned by this
+    process's user and not writable by group or others, else UnsafeDirectory names it and what
+    is wrong.
+
+    Each directory is opened without following links and checked before the next is made in
+    it, so what was checked is what the next one is made in. Once the chain is private nobody
+    else can rename or plant anything in it, so callers may go on by path.
+    """
+    top = Path(top)
+    names = Path(path).relative_to(top).parts if path is not None else ()
+    if ".." in names:
+        raise ValueError(f"{path} is not below {top}")
+    fd = _private_dir(top, str(top), None)
+    try:
+        for name in names:
+            top = top / name
+            child = _private_dir(top, name, fd)
+            os.close(fd)
+            fd = child
+    finally:
+        os.close(fd)
+    return top
+
+
+def _private_dir(path: Path, name: str, parent: int | None) -> int:
+    """An fd of directory `name` (in `parent`, an fd; None: `name` is a path), made or checked
+    as `private_dirs` says."""
+    try:
+        os.mkdir(name, 0o700, dir_fd=parent)
+        created = True
+    except FileExistsError:
+        created = False
+    except FileNotFoundError:
+        raise FileNotFoundError(errno.ENOENT, "snapshot directory: its parent does not exist",
+                                str(path)) from None
+    try:
+        fd = os.open(name, _DIR_FLAGS, dir_fd=parent)
+    except OSError as exc:
+        if exc.errno not in (errno.ELOOP, errno.ENOTDIR):
+            raise
+        link = stat.S_ISLNK(os.stat(name, dir_fd=parent, follow_symlinks=False).st_mode)
+        raise UnsafeDirectory(f"snapshot directory {path} is "
+                              f"{'a symbolic link' if link else 'not a directory'}: refused"
+                              ) from None
+    st = os.fstat(fd)
+    wrong = ""
+    if st.st_uid != os.geteuid():
+        wrong = f"owned by uid {st.st_uid}, not by this process's uid {os.geteuid()}"
+    elif st.st_mode & 0o022:
+        wrong = f"writable by group or others (mode {st.st_mode & 0o7777:04o})"
+    if wrong:
+        os.close(fd)
+        raise UnsafeDirectory(f"snapshot directory {path} is {wrong}: refused, not reused "
+                              f"(remove it, or choose another --snapshot-dir)")
+    if created:
+        os.fchmod(fd, 0o700)  # the umask may have taken bits the owner needs
+    return fd
+
+
+def create_private_file(path: Path | str, dir_fd: int | None = None) -> int:
+    """A new file at `path` (relative to `dir_fd` when given), mode 0600, open for writing; the
+    caller closes the fd. O_EXCL|O_NOFOLLOW: whatever is at `path` already, a file or a link
+    planted there, is never followed or reused (FileExistsError)."""
+    return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
+                   0o600, dir_fd=dir_fd)
 
 
 def step_dir(root: Path, step: int) -> Path:
@@ -151,7 +241,7 @@ def read_held(root: Path, step: int, file: str, offset: int, length: int) -> byt
             and file not in (METADATA_NAME, MANIFEST_NAME):
         raise SnapshotInvalid(f"snapshot step {step}: {file!r} is not a snapshot file name")
     try:
-        fd = os.open(step_dir(root, step) / file, os.O_RDONLY)
+        fd = os.open(step_dir(root, step) / file, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
     except FileNotFoundError:
         return None
     try:
@@ -314,13 +404,22 @@ def _canonical(body: dict[str, Any]) -> bytes:
 def write_atomically(path: Path, data: bytes) -> None:
     """Write `data` to `path` so readers see all of it or nothing (rename is atomic).
 
+    The temporary file has a name nobody can guess and is created new (`create_private_file`),
+    so a link planted in the directory is never written through; the rename replaces whatever
+    is at `path`, a link included, without following it.
     No fsync: shared memory does not outlive the machine, and what it must outlive (a crashed
     writer) a rename already covers.
     """
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
-        f.write(data)
-    os.replace(tmp, path)
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.{secrets.token_hex(8)}.tmp")
+    fd = create_private_file(tmp)
+    try:
+        with open(fd, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 def read_manifest(directory: Path, step: int) -> SnapshotManifest:

@@ -121,7 +121,7 @@ class SnapshotStore:
             length = entry.size - offset
         start, end = chunk_span(entry, offset, length, where)
         try:
-            fd = os.open(directory / file, os.O_RDONLY)
+            fd = os.open(directory / file, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
         except FileNotFoundError:
             raise SnapshotInvalid(f"{where} is missing") from None
         try:

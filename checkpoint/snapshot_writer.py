@@ -38,6 +38,8 @@ from checkpoint.snapshot_format import (
     SnapshotManifest,
     chunk_checksums,
     crc32c_update,
+    create_private_file,
+    private_dirs,
     record_name,
     shard_name,
     slot,
@@ -181,8 +183,13 @@ class SnapshotWriter(StorageWriter):
         self.rank = int(kwargs.get("rank", 0))
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
-        self.directory.mkdir(parents=True, exist_ok=True)
+        self.make_directory()
         return plan
+
+    def make_directory(self) -> None:
+        """The step's directory, private, in a root that must be private too (the agent made it;
+        one another user could change is refused: UnsafeDirectory)."""
+        private_dirs(self.directory.parent, self.directory)
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
         return plans
@@ -229,7 +236,7 @@ class SnapshotWriter(StorageWriter):
         record exists, so the node's agent can validate and stream it before any manifest."""
         name = shard_name(self.rank)
         # O_EXCL: two writers of one rank and step would interleave; fail loudly instead.
-        fd = os.open(self.directory / name, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        fd = create_private_file(self.directory / name)
         try:
             os.ftruncate(fd, size)
             chunks = self._fill(fd, size, payloads)
@@ -369,7 +376,7 @@ def rewrite_snapshot(
             data = fast.slotted(index, data, length) if fast is not None \
                 else slot(pickle.dumps(data), length)
         payloads.append(_Payload(item, data, offset, length, view))
-    writer.directory.mkdir(parents=True, exist_ok=True)
+    writer.make_directory()
     writer._write_shard(payloads, template.size, started)
     if coordinator is not None:
         coordinator.write(writer.directory, writer.step, writer.consumed_samples, layout,

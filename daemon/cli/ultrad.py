@@ -23,6 +23,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from checkpoint.snapshot_format import default_base
 from daemon.api.advertise import is_wildcard
 from daemon.api.auth import AuthError, check_listen, is_loopback, split_host_port
 from daemon.api.probes import check_health_listen
@@ -77,9 +78,11 @@ _OPTIONS: dict[str, tuple[type, Any, str]] = {
     "worker_module": (str, "trainer.worker", "python module a worker runs"),
     "etcd_outage": (float, 60.0, "seconds workers keep training while etcd is unreachable for "
                                  "every agent"),
-    "snapshot_dir": (str, "/dev/shm", "memory-backed directory for in-memory snapshots "
-                                      "(<dir>/ultrascale/<job>/<node>; a tmpfs with room for "
-                                      "this node's shards and its buddy's)"),
+    "snapshot_dir": (str, str(default_base()),
+                     "memory-backed directory for in-memory snapshots (<dir>/<job>/<node>; a "
+                     "tmpfs with room for this node's shards and its buddy's): this user's own, "
+                     "made mode 0700 if missing; one owned by another user, writable by group "
+                     "or others, or a symbolic link is refused"),
     "log_level": (str, "info", "debug|info|warning|error"),
 }
 _FLAGS = {"insecure": "allow a non-loopback listen address without TLS",

@@ -17,6 +17,7 @@ from checkpoint.snapshot_format import (
     SnapshotInvalid,
     SnapshotManifest,
     parse_step_dir,
+    private_dirs,
     shard_rank,
     step_dir,
     verify_span,
@@ -117,7 +118,7 @@ def ensure_metadata(root: Path, manifest: SnapshotManifest,
         entry = other_manifest.file(METADATA_NAME)
         if (entry.size, entry.chunks) == (want.size, want.chunks) \
                 and size_of(source) == want.size:
-            directory.mkdir(parents=True, exist_ok=True)
+            private_dirs(root, directory)
             temporary = directory / f".{METADATA_NAME}.link"
             temporary.unlink(missing_ok=True)
             os.link(source, temporary)  # files here are replaced by rename, never rewritten

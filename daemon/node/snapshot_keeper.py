@@ -37,6 +37,7 @@ from checkpoint.snapshot_format import (
     FileEntry,
     SnapshotManifest,
     parse_step_dir,
+    private_dirs,
     read_held,
     record_name,
     record_rank,
@@ -74,8 +75,9 @@ class SnapshotKeeper:
     def __init__(self, root: Path, node: str, address: str, view: ClusterView, etcd: Etcd,
                  keys: Keys, send: Send, lease: Callable[[], int], keep: int = 2,
                  poll_s: float = 0.05, on_held: OnHeld = lambda *_: None,
-                 publish_s: float = 0.5) -> None:
+                 publish_s: float = 0.5, base: Path | None = None) -> None:
         self.root, self.node, self.address = Path(root), node, address
+        self.base = self.root if base is None else Path(base)  # see private_dirs
         self.on_held = on_held
         self.view, self.etcd, self.keys = view, etcd, keys
         self.lease, self.keep, self.poll_s = lease, keep, poll_s
@@ -106,7 +108,8 @@ class SnapshotKeeper:
         if not config.workers:
             return None
         root = snapshot_root(config.job, config.snapshot_base) / config.node_id
-        return cls(root, config.node_id, "", view, etcd, keys, send, lease, on_held=on_held)
+        return cls(root, config.node_id, "", view, etcd, keys, send, lease, on_held=on_held,
+                   base=config.snapshot_base)
 
     @staticmethod
     def env(keeper: SnapshotKeeper | None) -> dict[str, str]:
@@ -116,12 +119,12 @@ class SnapshotKeeper:
     # -- lifecycle ----------------------------------------------------------------------------
 
     def clear(self) -> None:
-        """Free everything: at agent start (nothing held there belongs to a live history the
-        cluster still counts on this node for) and at a clean stop."""
+        """Free everything, at agent start (what a crashed run left) and at a clean stop."""
+        private_dirs(self.base, self.root)  # first: refuses a directory another user controls
         shutil.rmtree(self.root, ignore_errors=True)
 
     async def run(self) -> None:
-        self.root.mkdir(parents=True, exist_ok=True)
+        private_dirs(self.base, self.root)
         await self._ensure_secret()
         while True:
             with contextlib.suppress(TimeoutError):
@@ -208,7 +211,7 @@ class SnapshotKeeper:
         if revision != self._spec_revision:
             if self._spec_revision:
                 self.clear()
-                self.root.mkdir(parents=True, exist_ok=True)
+                private_dirs(self.base, self.root)
                 self.replicator.forget()
                 self._received.clear()
                 self._replicated.clear()
@@ -307,8 +310,7 @@ class SnapshotKeeper:
         manifest = verify_incoming(header, data)
         if manifest is not None:
             ensure_metadata(self.root, manifest, self._manifest)
-        directory = step_dir(self.root, header.step)
-        directory.mkdir(parents=True, exist_ok=True)
+        directory = private_dirs(self.root, step_dir(self.root, header.step))
         rank = shard_rank(header.file)
         if rank is not None:
             record = {"step": header.step, **FileEntry(header.file, rank, header.size,

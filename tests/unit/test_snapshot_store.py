@@ -134,7 +134,8 @@ def test_a_damaged_manifest_is_rejected_by_name(root):
 
 
 def test_root_naming():
-    assert snapshot_root("llama-7b") == Path("/dev/shm/ultrascale/llama-7b")
+    assert snapshot_root("llama-7b") == Path(f"/dev/shm/ultrascale-{os.geteuid()}/llama-7b")
+    assert snapshot_root("llama-7b", Path("/run/ultrad")) == Path("/run/ultrad/llama-7b")
     for bad in ("", "a/b", ".hidden"):
         with pytest.raises(ValueError, match="job name"):
             snapshot_root(bad)
