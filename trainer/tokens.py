@@ -56,7 +56,7 @@ def dtype_for_vocab(vocab_size: int) -> str:
     return "uint16" if vocab_size <= 2**16 else "uint32"
 
 
-def _replace_atomically(target: Path, payload: bytes) -> None:
+def replace_atomically(target: Path, payload: bytes) -> None:
     fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.")
     try:
         with os.fdopen(fd, "wb") as f:
@@ -134,7 +134,7 @@ class TokenFileWriter:
         self._files = {}
         if not self.documents:
             index_path(self.path).unlink(missing_ok=True)  # a stale index would lie
-        _replace_atomically(sidecar_path(self.path), json.dumps(asdict(header), indent=2).encode())
+        replace_atomically(sidecar_path(self.path), json.dumps(asdict(header), indent=2).encode())
         return header
 
     def abort(self) -> None:
