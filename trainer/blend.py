@@ -74,6 +74,11 @@ class Blend:
             floor_sum(n, MODULUS, GOLDEN, s) - floor_sum(n, MODULUS, GOLDEN, s - t + MODULUS) + n
         )
 
+    def counts(self, n: int) -> list[int]:
+        """How many of samples [0, n) each source gives."""
+        below = [self._below(n, t) for t in self.bounds]
+        return [below[k + 1] - below[k] for k in range(len(below) - 1)]
+
     def source(self, index: int) -> int:
         return bisect.bisect_right(self.bounds, self._point(index)) - 1
 

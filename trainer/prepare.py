@@ -155,9 +155,10 @@ def _documents(chunk: Chunk, text_key: str) -> list[str | bytes]:
     return docs
 
 
-def split_document(text: str, limit: int = PIECE_CHARS) -> list[str]:
-    """`text` in pieces of at least `limit` characters (the last may be shorter), each cut after
-    the first line end past the limit that a non-blank character follows."""
+def split_document(text: str, limit: int | None = None) -> list[str]:
+    """`text` in pieces of at least `limit` (PIECE_CHARS) characters, the last may be shorter,
+    each cut after the first line end past the limit that a non-blank character follows."""
+    limit = PIECE_CHARS if limit is None else limit
     pieces, pos = [], 0
     while len(text) - pos > limit and (cut := _SAFE_CUT.search(text, pos + limit)):
         pieces.append(text[pos : cut.end()])
