@@ -366,17 +366,18 @@ def _eos_token_id(tok: Any, path: Path, eos_token: str | None) -> int:
 class Progress:
     """Documents, tokens, MB/s and ETA: one updating line on a terminal, plain lines when piped."""
 
-    def __init__(self, total_bytes: int, stream: TextIO = sys.stderr) -> None:
-        self.total_bytes, self.stream = total_bytes, stream
-        self.tty = stream.isatty()
+    def __init__(self, total_bytes: int, stream: TextIO | None = None) -> None:
+        self.total_bytes = total_bytes
+        self.stream = sys.stderr if stream is None else stream
+        self.tty = self.stream.isatty()
         self.interval = 0.2 if self.tty else 5.0
         self.started = self.last = time.perf_counter()
         self.documents = self.tokens = self.input_bytes = 0
 
-    def update(self, encoded: Encoded) -> None:
-        self.documents += len(encoded.starts)
-        self.tokens += len(encoded.tokens)
-        self.input_bytes += encoded.input_bytes
+    def update(self, documents: int, tokens: int, input_bytes: int) -> None:
+        self.documents += documents
+        self.tokens += tokens
+        self.input_bytes += input_bytes
         now = time.perf_counter()
         if now - self.last >= self.interval:
             self.last = now
@@ -452,7 +453,7 @@ def prepare(
                 first_document = False
             writer.append(tokens, starts)
             if progress is not None:
-                progress.update(encoded)
+                progress.update(len(starts), len(tokens), encoded.input_bytes)
 
         _encode_in_order(enc, read_chunks(files, text_key), text_key, workers, sink)
         if tokenizer is not None:
