@@ -169,6 +169,8 @@ def split_document(text: str, limit: int | None = None) -> list[str]:
 
 def _encode_hf(path: str, docs: list[str | bytes], dtype: np.dtype) -> list[np.ndarray]:
     tok = _load_tokenizer(path)
+    # The fast variant skips the offsets nobody here reads (tokenizers >= 0.21).
+    encode_batch = getattr(tok, "encode_batch_fast", tok.encode_batch)
     owners, pieces = [], []
     for n, doc in enumerate(docs):
         text = doc.decode("utf-8", errors="replace") if isinstance(doc, bytes) else doc
@@ -183,7 +185,7 @@ def _encode_hf(path: str, docs: list[str | bytes], dtype: np.dtype) -> list[np.n
         while end < len(pieces) and (end == start or size + len(pieces[end]) <= PIECE_CHARS):
             size += len(pieces[end])
             end += 1
-        encodings = tok.encode_batch_fast(pieces[start:end], add_special_tokens=False)
+        encodings = encode_batch(pieces[start:end], add_special_tokens=False)
         for n, e in zip(owners[start:end], encodings, strict=True):
             ids[n].append(np.asarray(e.ids, dtype=dtype))
         start = end
