@@ -51,11 +51,21 @@ class ModelConfig:
 
 
 @dataclass(frozen=True)
+class DataSource:
+    """One token file of a blend; weights are relative (docs/data.md, "Blends")."""
+
+    path: JobPath = JobPath("")
+    weight: float = 1.0
+
+
+@dataclass(frozen=True)
 class DataConfig:
-    """Exactly one of `path` (a prepared token file) or `source` (a built-in corpus)."""
+    """Exactly one of `path` (a prepared token file), `source` (a built-in corpus) or
+    `sources` (`[[data.sources]]`: a weighted blend of token files)."""
 
     path: JobPath = JobPath("")
     source: str = ""
+    sources: tuple[DataSource, ...] = ()
     cache_dir: JobPath = JobPath("~/.cache/ultrascale")
 
 
@@ -175,6 +185,7 @@ MAX_STRING = 4096  # characters: a path's PATH_MAX
 MAX_LIST = 64  # items
 MAX_STEPS = 10**9
 MAX_SECONDS = 86400.0  # a day: any deadline or delay
+MAX_WEIGHT = 1e6  # a blend source's relative weight
 # The largest value of every int and float field: far beyond any real job, small enough that
 # nothing derived from them (world sizes, sample counts, deadlines) overflows or runs forever.
 MAX: dict[str, int | float] = {
@@ -233,6 +244,8 @@ def _coerce(name: str, tp: Any, value: Any) -> Any:
             raise ConfigError(f"{name} must have at most {MAX_LIST} items (got {len(value)})")
         item = typing.get_args(tp)[0]
         return tuple(_coerce(f"{name}[{i}]", item, v) for i, v in enumerate(value))
+    if dataclasses.is_dataclass(tp):
+        return _build_section(name, tp, value)
     if tp is bool:
         if isinstance(value, bool):
             return value
@@ -353,10 +366,7 @@ def validate(cfg: JobConfig) -> None:
             f"parallel.replan must list distinct dimensions of {', '.join(REPLAN_DIMS)} "
             f"(got {list(p.replan)})"
         )
-    if bool(d.path) == bool(d.source):
-        raise ConfigError(
-            "data: set exactly one of data.path (a token file) or data.source (a built-in corpus)"
-        )
+    _validate_data(d)
     if c.every < 0:
         raise ConfigError(f"checkpoint.every must be >= 0 (got {c.every})")
     _positive("checkpoint.keep", c.keep)
@@ -368,6 +378,20 @@ def validate(cfg: JobConfig) -> None:
     if c.every and not c.dir:
         raise ConfigError("checkpoint.dir must be set when checkpoint.every > 0")
     _validate_fault(cfg.fault)
+
+
+def _validate_data(d: DataConfig) -> None:
+    if sum(map(bool, (d.path, d.source, d.sources))) != 1:
+        raise ConfigError(
+            "data: set exactly one of data.path (a token file), data.source (a built-in corpus) "
+            "or [[data.sources]] (a blend of token files)"
+        )
+    for i, s in enumerate(d.sources):
+        if not s.path:
+            raise ConfigError(f"data.sources[{i}].path must be set")
+        if not 0 < s.weight <= MAX_WEIGHT:
+            raise ConfigError(f"data.sources[{i}].weight must be a finite number in "
+                              f"(0, {MAX_WEIGHT:g}] (got {s.weight})")
 
 
 def _validate_fault(f: FaultConfig) -> None:

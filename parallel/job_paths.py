@@ -24,21 +24,46 @@ from parallel.job import ConfigError, JobConfig, JobPath
 
 
 @functools.cache
-def _path_fields() -> tuple[tuple[str, str, str], ...]:
-    """(section, key, default) of every JobPath field."""
+def _path_fields(cls: type) -> tuple[tuple[str, str], ...]:
+    """(key, default) of every JobPath field of the dataclass `cls`."""
+    hints = typing.get_type_hints(cls)
+    return tuple((f.name, f.default) for f in dataclasses.fields(cls) if hints[f.name] is JobPath)
+
+
+@functools.cache
+def _nested_fields(cls: type) -> tuple[str, ...]:
+    """Fields of `cls` that hold a tuple of dataclasses (`[[data.sources]]`)."""
+    hints = typing.get_type_hints(cls)
     out = []
-    for section in dataclasses.fields(JobConfig):
-        cls = section.default_factory  # type: ignore[misc]
-        hints = typing.get_type_hints(cls)
-        out += [(section.name, f.name, f.default) for f in dataclasses.fields(cls)
-                if hints[f.name] is JobPath]
+    for f in dataclasses.fields(cls):
+        args = typing.get_args(hints[f.name])
+        if typing.get_origin(hints[f.name]) is tuple and args and dataclasses.is_dataclass(args[0]):
+            out.append(f.name)
     return tuple(out)
 
 
+def _set_values(prefix: str, obj: object) -> list[tuple[str, str]]:
+    """(name, value) of the JobPath fields of `obj` (and of its nested tables) that differ from
+    their defaults."""
+    out = [(f"{prefix}.{key}", getattr(obj, key)) for key, default in _path_fields(type(obj))
+           if getattr(obj, key) != default]
+    for key in _nested_fields(type(obj)):
+        for i, item in enumerate(getattr(obj, key)):
+            out += _set_values(f"{prefix}.{key}[{i}]", item)
+    return out
+
+
+def _field_values(job: JobConfig) -> dict[str, str]:
+    out: dict[str, str] = {}
+    for section in dataclasses.fields(JobConfig):
+        out.update(_set_values(section.name, getattr(job, section.name)))
+    return out
+
+
 def job_path(job: JobConfig, name: str) -> Path | None:
-    """The path field `name` (`section.key`) as the workers use it, unresolved; None if unset."""
-    section, key = name.split(".")
-    value = getattr(getattr(job, section), key)
+    """The path field `name` (`section.key`, or `data.sources[i].path`) as the workers use it,
+    unresolved; None if unset."""
+    value = _field_values(job).get(name)
     if not value:
         return None
     path = Path(value).expanduser()
@@ -48,8 +73,7 @@ def job_path(job: JobConfig, name: str) -> Path | None:
 
 def set_paths(job: JobConfig) -> list[str]:
     """The path fields `job` sets to something other than their defaults."""
-    return [f"{section}.{key}" for section, key, default in _path_fields()
-            if getattr(getattr(job, section), key) != default]
+    return list(_field_values(job))
 
 
 def check_paths(job: JobConfig, roots: Sequence[Path], cwd: Path | None = None) -> None:
@@ -67,8 +91,7 @@ def check_paths(job: JobConfig, roots: Sequence[Path], cwd: Path | None = None) 
         except (OSError, RuntimeError) as exc:  # RuntimeError: a symlink loop
             raise ConfigError(f"{name}: cannot resolve {path}: {exc}") from None
         if not any(resolved.is_relative_to(root) for root in allowed):
-            section, key = name.split(".")
             raise ConfigError(
-                f"{name} = {getattr(getattr(job, section), key)!r} resolves to {resolved}, "
+                f"{name} = {_field_values(job)[name]!r} resolves to {resolved}, "
                 f"outside the directories job paths may use on this node ({shown}; the "
                 f"agent's allowed_paths)")

@@ -60,6 +60,16 @@ def test_a_token_file_may_be_a_root_itself(tmp_path: Path) -> None:
         check_paths(job, [tmp_path / "other"])
 
 
+def test_every_source_of_a_blend_is_checked(tmp_path: Path) -> None:
+    inside, outside = tmp_path / "allowed" / "a.bin", tmp_path / "b.bin"
+    job = loads(f'[[data.sources]]\npath = "{inside}"\n[[data.sources]]\npath = "{outside}"\n'
+                'weight = 2.0\n')
+    assert set_paths(job) == ["data.sources[0].path", "data.sources[1].path"]
+    with pytest.raises(ConfigError, match=r"^data\.sources\[1\]\.path"):
+        check_paths(job, [tmp_path / "allowed"])
+    check_paths(job, [tmp_path])
+
+
 def _config(tmp_path: Path, text: str, *flags: str):
     path = tmp_path / "agent.toml"
     path.write_text(f'etcd = "h:1"\ndevices = 1\nstate_dir = "{tmp_path}/state"\n' + text)
