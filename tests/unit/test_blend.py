@@ -79,7 +79,8 @@ def test_sources_table_parses_and_round_trips():
     "data, match",
     [
         ('path = "a.bin"\n[[data.sources]]\npath = "b.bin"\n', "exactly one of"),
-        ('[[data.sources]]\npath = "a.bin"\nweight = 0\n', r"data.sources\[0\].weight must be a finite number in \(0, 1e\+06\]"),
+        ('[[data.sources]]\npath = "a.bin"\nweight = 0\n',
+         r"data.sources\[0\].weight must be a finite number in \(0, 1e\+06\]"),
         ('[[data.sources]]\npath = "a.bin"\n[[data.sources]]\nweight = 1\n', r"data.sources\[1\].path must be set"),
         ('[[data.sources]]\npath = "a.bin"\nweigth = 1\n', r"unknown key data.sources\[0\].weigth"),
         ('[[data.sources]]\npath = "a.bin"\nweight = "x"\n', r"data.sources\[0\].weight must be float"),
