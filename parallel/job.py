@@ -28,24 +28,54 @@ class ConfigError(ValueError):
 
 
 @dataclass(frozen=True)
-class ModelConfig:
-    """A Llama, with Hugging Face `LlamaConfig` field names."""
+class RopeScaling:
+    """Hugging Face's `rope_scaling` (`rope_parameters` in transformers 5): how RoPE frequencies
+    are stretched for long contexts (ops/rotary.py). `original_max_position_embeddings` 0 means
+    `model.max_position_embeddings`."""
 
+    rope_type: Literal["default", "linear", "llama3"] = "default"
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 0
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The model: a family registered in `models` and its fields, named as Hugging Face's
+    config of that family (`LlamaConfig` for "llama"); each family checks its own."""
+
+    family: str = "llama"
     hidden_size: int = 128
     intermediate_size: int = 384
     num_hidden_layers: int = 8
     num_attention_heads: int = 8
     num_key_value_heads: int = 4
+    # 0: hidden_size / num_attention_heads (resolved on construction, as LlamaConfig does).
+    head_dim: int = 0
     vocab_size: int = 256
     max_position_embeddings: int = 2048
     rope_theta: float = 10000.0
+    rope_scaling: RopeScaling = field(default_factory=RopeScaling)
     rms_norm_eps: float = 1e-5
+    attention_bias: bool = False
+    mlp_bias: bool = False
     tie_word_embeddings: bool = False
     initializer_range: float = 0.02
 
-    @property
-    def head_dim(self) -> int:
-        return self.hidden_size // self.num_attention_heads
+    def __post_init__(self) -> None:
+        if self.head_dim == 0 and self.num_attention_heads > 0:
+            object.__setattr__(self, "head_dim", self.hidden_size // self.num_attention_heads)
+
+
+@dataclass(frozen=True)
+class InitConfig:
+    """Initial weights for a job that has no checkpoint of its own (trainer/restore_order.py).
+
+    `hf`: a Hugging Face model directory (config.json and *.safetensors); the `[model]` fields
+    then come from its config.json (models/hf_config.py). Empty: random initialisation."""
+
+    hf: str = ""
 
 
 @dataclass(frozen=True)
@@ -156,6 +186,7 @@ class JobMeta:
 class JobConfig:
     job: JobMeta = field(default_factory=JobMeta)
     model: ModelConfig = field(default_factory=ModelConfig)
+    init: InitConfig = field(default_factory=InitConfig)
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
@@ -192,6 +223,8 @@ def _coerce(name: str, tp: Any, value: Any) -> Any:
             except ConfigError:
                 continue
         raise ConfigError(f"{name} must be {_type_name(tp)} (got {value!r})")
+    if dataclasses.is_dataclass(tp):
+        return _build_section(name, tp, value)
     if origin is tuple:
         if not isinstance(value, (list, tuple)):
             raise ConfigError(f"{name} must be a list (got {type(value).__name__} {value!r})")
@@ -238,34 +271,9 @@ def _positive(name: str, value: int | float) -> None:
 def validate(cfg: JobConfig) -> None:
     """Checks that need more than one field. Layout-vs-world checks live in parallel.layout."""
     m, t, p, d, c = cfg.model, cfg.train, cfg.parallel, cfg.data, cfg.checkpoint
-    for key in (
-        "hidden_size",
-        "intermediate_size",
-        "num_hidden_layers",
-        "num_attention_heads",
-        "num_key_value_heads",
-        "vocab_size",
-        "max_position_embeddings",
-    ):
-        _positive(f"model.{key}", getattr(m, key))
-    if m.hidden_size % m.num_attention_heads:
-        raise ConfigError(
-            f"model.num_attention_heads must divide model.hidden_size "
-            f"(got {m.num_attention_heads}, {m.hidden_size})"
-        )
-    if m.num_attention_heads % m.num_key_value_heads:
-        raise ConfigError(
-            f"model.num_key_value_heads must divide model.num_attention_heads "
-            f"(got {m.num_key_value_heads}, {m.num_attention_heads})"
-        )
-    if m.head_dim % 2:
-        raise ConfigError(
-            f"model.hidden_size / num_attention_heads must be even for RoPE (got {m.head_dim})"
-        )
-    if m.rms_norm_eps <= 0 or m.rope_theta <= 0 or m.initializer_range <= 0:
-        raise ConfigError(
-            "model.rms_norm_eps, model.rope_theta and model.initializer_range must be > 0"
-        )
+    from models import get_spec  # models imports this module
+
+    get_spec(m.family).validate(m)
     for key in ("steps", "global_batch", "seq_len"):
         _positive(f"train.{key}", getattr(t, key))
     if t.seq_len > m.max_position_embeddings:
@@ -396,7 +404,13 @@ def loads(text: str, overrides: Sequence[str] = (), source: str = "<string>") ->
         raw = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"{source}: not valid TOML: {exc}") from None
-    return from_dict(apply_overrides(raw, overrides))
+    merged = apply_overrides(raw, overrides)
+    init = merged.get("init")
+    if isinstance(init, Mapping) and init.get("hf"):
+        from models.hf_config import with_pretrained_model
+
+        merged = with_pretrained_model(merged)
+    return from_dict(merged)
 
 
 def load(path: str | Path, overrides: Sequence[str] = ()) -> JobConfig:
