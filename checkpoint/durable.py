@@ -59,8 +59,10 @@ class CheckpointManager:
         log: Callable[[str], None] = _stderr,
         scheme: Scheme = CURRENT,
         fragments: bool = False,
+        extra: dict[str, Any] | None = None,
     ) -> None:
         self.root = root
+        self.extra = extra  # written into every manifest (the model's fields: tools read them)
         self.fragments = fragments
         self.scheme = scheme
         self.keep = keep
@@ -117,6 +119,7 @@ class CheckpointManager:
                 step=step,
                 consumed_samples=consumed,
                 layout=self.layout,
+                extra=self.extra,
                 files=writer.files,
                 scheme=self.scheme,
                 present=present,
