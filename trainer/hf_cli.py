@@ -22,6 +22,7 @@ import argparse
 import dataclasses
 import json
 import sys
+import warnings
 from datetime import timedelta
 from pathlib import Path
 
@@ -152,6 +153,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    # DCP warns that it loads "in a single process" when there is no process group: we mean to.
+    warnings.filterwarnings("ignore", message="torch.distributed is disabled")
     try:
         return export(args) if args.command == "export" else import_(args)
     except (ConfigError, FileNotFoundError) as exc:
