@@ -59,4 +59,7 @@ def with_pretrained_model(raw: Mapping[str, Any]) -> dict[str, Any]:
                                   f"({key}: {dict(theirs)})")
         elif value != theirs:
             raise ConfigError(f"model.{key} = {value!r} contradicts {path} ({key}: {theirs!r})")
-    return {**raw, "model": {**model, **fields}}
+    # Absolute, so every process that re-reads the job (workers under ultrad, in their own
+    # working directories) opens the directory the job was checked against.
+    return {**raw, "model": {**model, **fields},
+            "init": {**raw["init"], "hf": str(directory.absolute())}}
