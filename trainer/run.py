@@ -50,9 +50,11 @@ def run(cfg: JobConfig, *, stop_at: int, resume: bool, printer) -> int:
             step_log=output_dir(cfg),
         )
         restored = driver.restore_start(resume)
-        if rank == 0 and (resume or restored.source == "pretrained"):
-            _log(f"restored {restored.describe()}, consumed_samples {driver.consumed_samples}, "
-                 f"on dp={layout.dp}")
+        if rank == 0 and restored.source == "checkpoint":
+            _log(f"resume: loaded {driver.ckpt.root / restored.name} (step {driver.step}, "
+                 f"consumed_samples {driver.consumed_samples}) on dp={layout.dp}")
+        elif rank == 0 and (resume or restored.source == "pretrained"):
+            _log(f"restored {restored.describe()}")
         if rank == 0:
             _log(f"layout: {layout.to_dict()}")
         while driver.step < stop_at:
