@@ -27,6 +27,7 @@ from typing import Any
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.metadata import Metadata
 
 from checkpoint.checksum import CURRENT, Scheme
 from checkpoint.checksummed_storage import ChecksummingWriter, VerifyingReader
@@ -59,8 +60,10 @@ class CheckpointManager:
         log: Callable[[str], None] = _stderr,
         scheme: Scheme = CURRENT,
         fragments: bool = False,
+        extra: dict[str, Any] | None = None,
     ) -> None:
         self.root = root
+        self.extra = extra  # written into every manifest (the model's fields: tools read them)
         self.fragments = fragments
         self.scheme = scheme
         self.keep = keep
@@ -117,6 +120,7 @@ class CheckpointManager:
                 step=step,
                 consumed_samples=consumed,
                 layout=self.layout,
+                extra=self.extra,
                 files=writer.files,
                 scheme=self.scheme,
                 present=present,
@@ -228,3 +232,20 @@ class CheckpointManager:
             except CheckpointInvalid as e:
                 self.log(f"checkpoint {path.name} is invalid ({e}); trying an older one")
         return None
+
+
+def open_offline(ckpt_dir: Path) -> tuple[Manifest, Metadata]:
+    """A checkpoint's manifest and DCP metadata, for a tool in one process with no process
+    group (e.g. `ultrascale-hf export`): the manifest checked, `.metadata` verified whole."""
+    manifest = check_manifest(ckpt_dir)
+    verify_whole(ckpt_dir, manifest, [".metadata"])
+    return manifest, VerifyingReader(ckpt_dir, manifest, group=None).read_metadata()
+
+
+def load_offline(ckpt_dir: Path, manifest: Manifest, tensors: dict[str, Any]) -> None:
+    """Fill `tensors` (keys as in the metadata, e.g. "state.model.norm.weight") from the
+    checkpoint in one process, verifying the blocks it reads."""
+    reader = VerifyingReader(ckpt_dir, manifest, group=None)
+    dcp.load(tensors, storage_reader=reader, no_dist=True)
+    if reader.invalid is not None:
+        raise reader.invalid

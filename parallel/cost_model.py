@@ -13,9 +13,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from models import get_spec
 from parallel.job import ModelConfig
 from parallel.layout import Layout, predicted_bubble
-from parallel.memory_model import DTYPE_BYTES, llama_param_counts
+from parallel.memory_model import DTYPE_BYTES, param_counts
 
 
 @dataclass(frozen=True)
@@ -76,19 +77,15 @@ class StepCost:
 
 def _matmul_params(model: ModelConfig) -> tuple[int, int]:
     """(matmul parameters of all decoder layers, of the LM head); lookups cost no FLOPs."""
-    counts = llama_param_counts(model)
+    counts = param_counts(model)
     layers = (counts.per_layer - counts.per_layer_norms) * counts.num_layers
     return layers, model.vocab_size * model.hidden_size
 
 
 def attention_flops_per_token(model: ModelConfig, seq_len: int) -> float:
-    """Forward FLOPs per token of QKᵀ and softmax·V over all layers: 4·L·h·s (2·s·h each).
-
-    The dense-weight estimate of the playbook ("Memory usage in Transformers", compute) leaves
-    attention out; at long sequences it is no longer small. Counted without the causal half, as
-    usual for MFU.
-    """
-    return 4.0 * model.num_hidden_layers * model.hidden_size * seq_len
+    """Forward FLOPs per token of the attention core (QKᵀ, softmax·V) over all layers, from the
+    model family's formula (e.g. 4·L·h·s for a Llama, models/llama/formulas.py)."""
+    return get_spec(model.family).attention_flops_per_token(model, seq_len)
 
 
 def flops_per_token(model: ModelConfig, seq_len: int) -> float:
@@ -227,7 +224,7 @@ def step_cost(
     tokens = layout.micro_batch * (seq_len // layout.cp)
     layers = model.num_hidden_layers // layout.pp
     m = layout.grad_accum
-    counts = llama_param_counts(model)
+    counts = param_counts(model)
     params = math.ceil(counts.total / (layout.tp * layout.pp))
     grad_bytes = 4  # fp32 gradients, or bf16's reduced in fp32 (`parallel/mixed_precision.py`)
     sp_share = layout.tp if layout.sequence_parallel else 1

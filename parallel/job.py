@@ -30,24 +30,54 @@ JobPath = NewType("JobPath", str)
 
 
 @dataclass(frozen=True)
-class ModelConfig:
-    """A Llama, with Hugging Face `LlamaConfig` field names."""
+class RopeScaling:
+    """Hugging Face's `rope_scaling` (`rope_parameters` in transformers 5): how RoPE frequencies
+    are stretched for long contexts (ops/rotary.py). `original_max_position_embeddings` 0 means
+    `model.max_position_embeddings`."""
 
+    rope_type: Literal["default", "linear", "llama3"] = "default"
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 0
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The model: a family registered in `models` and its fields, named as Hugging Face's
+    config of that family (`LlamaConfig` for "llama"); each family checks its own."""
+
+    family: str = "llama"
     hidden_size: int = 128
     intermediate_size: int = 384
     num_hidden_layers: int = 8
     num_attention_heads: int = 8
     num_key_value_heads: int = 4
+    # 0: hidden_size / num_attention_heads (resolved on construction, as LlamaConfig does).
+    head_dim: int = 0
     vocab_size: int = 256
     max_position_embeddings: int = 2048
     rope_theta: float = 10000.0
+    rope_scaling: RopeScaling = field(default_factory=RopeScaling)
     rms_norm_eps: float = 1e-5
+    attention_bias: bool = False
+    mlp_bias: bool = False
     tie_word_embeddings: bool = False
     initializer_range: float = 0.02
 
-    @property
-    def head_dim(self) -> int:
-        return self.hidden_size // self.num_attention_heads
+    def __post_init__(self) -> None:
+        if self.head_dim == 0 and self.num_attention_heads > 0:
+            object.__setattr__(self, "head_dim", self.hidden_size // self.num_attention_heads)
+
+
+@dataclass(frozen=True)
+class InitConfig:
+    """Initial weights for a job that has no checkpoint of its own (trainer/restore_order.py).
+
+    `hf`: a Hugging Face model directory (config.json and *.safetensors); the `[model]` fields
+    then come from its config.json (models/hf_config.py). Empty: random initialisation."""
+
+    hf: JobPath = JobPath("")
 
 
 @dataclass(frozen=True)
@@ -168,6 +198,7 @@ class JobMeta:
 class JobConfig:
     job: JobMeta = field(default_factory=JobMeta)
     model: ModelConfig = field(default_factory=ModelConfig)
+    init: InitConfig = field(default_factory=InitConfig)
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
@@ -193,7 +224,7 @@ MAX: dict[str, int | float] = {
     "model.num_hidden_layers": 2**12, "model.num_attention_heads": 2**12,
     "model.num_key_value_heads": 2**12, "model.vocab_size": 2**22,
     "model.max_position_embeddings": 2**24, "model.rope_theta": 1e12, "model.rms_norm_eps": 1.0,
-    "model.initializer_range": 1.0,
+    "model.initializer_range": 1.0, "model.head_dim": 2**12,
     "train.steps": MAX_STEPS, "train.global_batch": 2**24, "train.seq_len": 2**24,
     "train.seed": 2**63 - 1, "train.lr": 10.0, "train.min_lr": 10.0,
     "train.warmup_steps": MAX_STEPS, "train.weight_decay": 10.0, "train.beta1": 1.0,
@@ -300,34 +331,9 @@ def validate(cfg: JobConfig) -> None:
         value = getattr(getattr(cfg, section), key)
         if not isinstance(value, str) and value > limit:
             raise ConfigError(f"{name} must be <= {limit} (got {value})")
-    for key in (
-        "hidden_size",
-        "intermediate_size",
-        "num_hidden_layers",
-        "num_attention_heads",
-        "num_key_value_heads",
-        "vocab_size",
-        "max_position_embeddings",
-    ):
-        _positive(f"model.{key}", getattr(m, key))
-    if m.hidden_size % m.num_attention_heads:
-        raise ConfigError(
-            f"model.num_attention_heads must divide model.hidden_size "
-            f"(got {m.num_attention_heads}, {m.hidden_size})"
-        )
-    if m.num_attention_heads % m.num_key_value_heads:
-        raise ConfigError(
-            f"model.num_key_value_heads must divide model.num_attention_heads "
-            f"(got {m.num_key_value_heads}, {m.num_attention_heads})"
-        )
-    if m.head_dim % 2:
-        raise ConfigError(
-            f"model.hidden_size / num_attention_heads must be even for RoPE (got {m.head_dim})"
-        )
-    if m.rms_norm_eps <= 0 or m.rope_theta <= 0 or m.initializer_range <= 0:
-        raise ConfigError(
-            "model.rms_norm_eps, model.rope_theta and model.initializer_range must be > 0"
-        )
+    from models import get_spec  # models imports this module
+
+    get_spec(m.family).validate(m)
     for key in ("steps", "global_batch", "seq_len"):
         _positive(f"train.{key}", getattr(t, key))
     if t.seq_len > m.max_position_embeddings:
@@ -473,7 +479,13 @@ def loads(text: str, overrides: Sequence[str] = (), source: str = "<string>") ->
         raw = bounded_toml.loads(text, source)
     except bounded_toml.TomlError as exc:
         raise ConfigError(str(exc)) from None
-    return from_dict(apply_overrides(raw, overrides))
+    merged = apply_overrides(raw, overrides)
+    init = merged.get("init")
+    if isinstance(init, Mapping) and init.get("hf"):
+        from models.hf_config import with_pretrained_model
+
+        merged = with_pretrained_model(merged)
+    return from_dict(merged)
 
 
 def load(path: str | Path, overrides: Sequence[str] = ()) -> JobConfig:

@@ -15,8 +15,11 @@ import math
 from dataclasses import dataclass
 from types import MappingProxyType
 
+from models import ParamCounts, ParamShape, get_spec
 from parallel.job import ModelConfig
 from parallel.layout import Layout
+
+__all__ = ["ParamCounts", "ParamShape", "param_counts", "peak_memory", "rank_memory"]
 
 DTYPE_BYTES = MappingProxyType({"fp32": 4, "bf16": 2})
 ZERO_STAGES = (0, 1, 2, 3)
@@ -47,22 +50,6 @@ class MemoryBreakdown:
     @property
     def total(self) -> int:
         return self.params + self.grads + self.optimizer + self.activations
-
-
-@dataclass(frozen=True)
-class ParamCounts:
-    """Parameters of a Llama (`trainer/model.py`), by where they live."""
-
-    per_layer: int  # one decoder layer: attention, MLP and its two RMSNorm weights
-    per_layer_norms: int  # the part of `per_layer` that TP replicates instead of sharding
-    embedding: int
-    head: int  # 0 when tied to the embedding
-    final_norm: int
-    num_layers: int
-
-    @property
-    def total(self) -> int:
-        return self.per_layer * self.num_layers + self.embedding + self.head + self.final_norm
 
 
 def state_bytes_per_param(mixed_precision: str, fp32_grad_accum: bool = False) -> StateBytes:
@@ -106,59 +93,9 @@ def zero_state_bytes(
     )
 
 
-def llama_param_counts(model: ModelConfig) -> ParamCounts:
-    """Parameter counts of `trainer/model.py`'s Llama (no biases; GQA; SwiGLU MLP).
-
-    The playbook's generic count, h·v + L·(12h² + 13h) + 2h ("Memory usage in Transformers"),
-    assumes a 4h GELU MLP with biases; a Llama layer has q and o of h × h, k and v of
-    h × (kv_heads · head_dim), three h × intermediate MLP matrices and two norm weights.
-    """
-    h, i = model.hidden_size, model.intermediate_size
-    q_dim = model.num_attention_heads * model.head_dim
-    kv_dim = model.num_key_value_heads * model.head_dim
-    norms = 2 * h
-    per_layer = 2 * h * q_dim + 2 * h * kv_dim + 3 * h * i + norms
-    embedding = model.vocab_size * h
-    return ParamCounts(
-        per_layer=per_layer,
-        per_layer_norms=norms,
-        embedding=embedding,
-        head=0 if model.tie_word_embeddings else embedding,
-        final_norm=h,
-        num_layers=model.num_hidden_layers,
-    )
-
-
-@dataclass(frozen=True)
-class ParamShape:
-    """One parameter tensor of `trainer/model.py`'s Llama and the dim tensor parallelism splits
-    (`parallel/tensor_parallel.py`: column-wise q/k/v/gate/up and head on dim 0, row-wise o/down
-    on dim 1, the embedding on the vocabulary, dim 0; norms replicated, None).
-
-    `whole_grad`: the embedding's gradient comes out of DTensor's embedding backward replicated
-    over tp (the whole vocabulary), however the weight is split."""
-
-    shape: tuple[int, ...]
-    tp_dim: int | None
-    whole_grad: bool = False
-
-
-def llama_param_shapes(model: ModelConfig) -> dict[str, tuple[ParamShape, ...]]:
-    """Parameter tensors by where they live: "layer" (one decoder layer), "embedding",
-    "final_norm" and "head" (empty when tied to the embedding)."""
-    h, i = model.hidden_size, model.intermediate_size
-    q_dim = model.num_attention_heads * model.head_dim
-    kv_dim = model.num_key_value_heads * model.head_dim
-    layer = (
-        ParamShape((h,), None),  # input_layernorm
-        ParamShape((q_dim, h), 0), ParamShape((kv_dim, h), 0), ParamShape((kv_dim, h), 0),
-        ParamShape((h, q_dim), 1),  # o_proj
-        ParamShape((h,), None),  # post_attention_layernorm
-        ParamShape((i, h), 0), ParamShape((i, h), 0), ParamShape((h, i), 1),  # gate, up, down
-    )
-    head = () if model.tie_word_embeddings else (ParamShape((model.vocab_size, h), 0),)
-    return {"layer": layer, "embedding": (ParamShape((model.vocab_size, h), 0, whole_grad=True),),
-            "final_norm": (ParamShape((h,), None),), "head": head}
+def param_counts(model: ModelConfig) -> ParamCounts:
+    """Parameter counts of the job's model, from its family's formulas (models/<family>)."""
+    return get_spec(model.family).param_counts(model)
 
 
 def _chunk(size: int, parts: int) -> int:
@@ -256,8 +193,8 @@ def layer_activation_bytes(
 ) -> int:
     """One layer's saved activations for one micro-batch on one device of `layout`.
 
-    What autograd saves for `trainer/model.py`'s block (counted with saved-tensor hooks by
-    `trainer/memory_meter.py`), with T = b·s/cp tokens, t = tp and c bytes per compute element:
+    What autograd saves for a Llama-architecture block (models/llama/model.py; counted with
+    saved-tensor hooks by `trainer/memory_meter.py`), with T = b·s/cp tokens, t = tp and c bytes per compute element:
 
     - two norms (`_norm_bytes`): 6Tc·h + 8T without SP;
     - attention: RoPE'd q, k and v repeated to all a heads (GQA), and the output (4T·a·d/t
@@ -350,7 +287,7 @@ def rank_memory(
     upcasts), the targets, for each micro-batch whose loss is in flight; with pp > 1 the
     step's ids and targets are one tensor the micro-batches are views of.
     """
-    shapes = llama_param_shapes(model)
+    shapes = get_spec(model.family).param_shapes(model)
     tp, stages = layout.tp, _rank_stages(layout, pp_rank)
     last_stage = layout.pp * layout.virtual_stages - 1
     layers = model.num_hidden_layers // layout.pp

@@ -1,12 +1,9 @@
 """Pipeline parallelism (the playbook's "Pipeline parallelism" section) on torch.distributed.pipelining.
 
 The layer stack is cut into `pp x virtual_stages` stages of equal depth. Stage s holds layers
-[s*L/S, (s+1)*L/S); the first stage also holds the embedding, the last the final norm and head.
-A stage is a `Llama` with the other layers deleted from its ModuleDict and the embedding or
-head set to None, so every parameter keeps the fully qualified name it has in the full model:
-DCP checkpoints of any pipeline layout load into any other layout, and the model code stays
-single-device. All stages of one rank share their modules with the rank's own `Llama` (the
-union of its stages), which the optimizer and the checkpoint see as "the model".
+[s*L/S, (s+1)*L/S); the model family cuts the module there (its spec's `split_stages`, e.g.
+models/llama/pipeline.py: the first stage also holds the embedding, the last the final norm and
+head, and every parameter keeps its full-model name, so checkpoints load across layouts).
 
 Schedules (playbook section, then torch class):
 - `gpipe` -> all-forward-all-backward, `ScheduleGPipe` (v = 1).
@@ -50,6 +47,7 @@ from torch.distributed.pipelining import (
     ScheduleZBVZeroBubble,
 )
 
+from models import spec_of
 from parallel.layout import Layout, check_pipeline
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -63,37 +61,20 @@ def stage_ids(layout: Layout, pp_rank: int) -> list[int]:
     return [pp_rank + i * p for i in range(v)]
 
 
+def stage_layers(layout: Layout, num_layers: int, pp_rank: int) -> list[tuple[int, range]]:
+    """(global stage index, its layer indices) of each stage `pp_rank` holds."""
+    per_stage = num_layers // (layout.pp * layout.virtual_stages)
+    return [(s, range(s * per_stage, (s + 1) * per_stage)) for s in stage_ids(layout, pp_rank)]
+
+
 def split_stages(model: nn.Module, layout: Layout, pp_rank: int) -> list[nn.Module]:
-    """Cut `model` (a Llama, on meta) to this rank's stages, one module each in `stage_ids` order.
+    """Cut `model` (on meta) to this rank's stages, one module each in `stage_ids` order.
 
     `model` itself keeps the union of the rank's layers (it is what the optimizer and the
-    checkpoint see); each stage module is a fresh meta `Llama` whose submodules are `model`'s,
-    so no parameter is copied and names are those of the full model.
+    checkpoint see); each stage module shares `model`'s submodules, so nothing is copied.
     """
-    n_layers = len(model.layers)
-    n_stages = layout.pp * layout.virtual_stages
-    per_stage = n_layers // n_stages
-    ids = stage_ids(layout, pp_rank)
-    keep = {str(i) for s in ids for i in range(s * per_stage, (s + 1) * per_stage)}
-    for name in [k for k in model.layers if k not in keep]:
-        del model.layers[name]
-    if 0 not in ids:
-        model.embed_tokens = None
-    if n_stages - 1 not in ids:
-        model.norm = None
-        model.lm_head = None
-    parts = []
-    for s in ids:
-        with torch.device("meta"):
-            part = type(model)(model.cfg)
-        part.layers = nn.ModuleDict(
-            {str(i): model.layers[str(i)] for i in range(s * per_stage, (s + 1) * per_stage)}
-        )
-        part.embed_tokens = model.embed_tokens if s == 0 else None
-        part.norm = model.norm if s == n_stages - 1 else None
-        part.lm_head = model.lm_head if s == n_stages - 1 else None
-        parts.append(part)
-    return parts
+    stages = stage_layers(layout, len(model.layers), pp_rank)
+    return spec_of(model).split_stages(model, stages, layout.pp * layout.virtual_stages)
 
 
 @dataclass

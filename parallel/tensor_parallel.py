@@ -1,12 +1,9 @@
 """Tensor and sequence parallelism with DTensor (the playbook's "Tensor Parallelism" section).
 
-Megatron-style TP over the mesh's "tp" dim, innermost so a TP group stays inside a node:
-
-- attention: q/k/v column-wise (each rank holds num_heads / tp query heads and
-  num_key_value_heads / tp KV heads, so GQA stays local), o row-wise;
-- MLP: gate/up column-wise, down row-wise;
-- embedding row-wise on the vocabulary dim, LM head column-wise with its output left sharded on
-  the vocabulary, so that `vocab_parallel_loss` computes the loss without gathering the logits.
+Megatron-style TP over the mesh's "tp" dim, innermost so a TP group stays inside a node. Which
+layer is column- or row-wise is the model family's plan (models/<family>/sharding.py, e.g.
+Llama's q/k/v and gate/up column-wise, o and down row-wise, the embedding and head on the
+vocabulary); this module applies it and holds the styles and the loss every family shares.
 
 Without sequence parallelism the residual stream is replicated on every TP rank and each
 row-wise layer ends in an all-reduce. With it ("Sequence Parallelism" section) the residual
@@ -27,17 +24,10 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module
-from torch.distributed.tensor.parallel import (
-    ColwiseParallel,
-    ParallelStyle,
-    PrepareModuleInput,
-    RowwiseParallel,
-    SequenceParallel,
-    loss_parallel,
-    parallelize_module,
-)
+from torch.distributed.tensor import DTensor, Replicate, distribute_module
+from torch.distributed.tensor.parallel import ParallelStyle, SequenceParallel, loss_parallel
 
+from models import spec_of
 from parallel.layout import Layout
 
 
@@ -76,68 +66,15 @@ class ReplicateParallel(ParallelStyle):
         )
 
 
-def _norm_style(sp: bool) -> ParallelStyle:
+def norm_style(sp: bool) -> ParallelStyle:
     return SequenceParallel() if sp else ReplicateParallel()
 
 
-def block_plan(sp: bool) -> dict[str, ParallelStyle]:
-    """The plan of one decoder layer, by submodule name."""
-    seq = Shard(1)
-    # With SP, row-wise outputs are reduce-scattered onto sequence shards, and attention / MLP
-    # inputs (sequence-sharded DTensors out of the norms) are all-gathered first.
-    row_out = seq if sp else Replicate()
-    plan: dict[str, ParallelStyle] = {
-        "input_layernorm": _norm_style(sp),
-        "self_attn.q_proj": ColwiseParallel(),
-        "self_attn.k_proj": ColwiseParallel(),
-        "self_attn.v_proj": ColwiseParallel(),
-        "self_attn.o_proj": RowwiseParallel(output_layouts=row_out),
-        "post_attention_layernorm": _norm_style(sp),
-        "mlp.gate_proj": ColwiseParallel(),
-        "mlp.up_proj": ColwiseParallel(),
-        "mlp.down_proj": RowwiseParallel(output_layouts=row_out),
-    }
-    if sp:
-        # cos/sin (the RoPE tables) are passed through untouched.
-        plan["self_attn"] = PrepareModuleInput(
-            input_layouts=(seq, None, None), desired_input_layouts=(Replicate(), None, None)
-        )
-        plan["mlp"] = PrepareModuleInput(input_layouts=(seq,), desired_input_layouts=(Replicate(),))
-    return plan
-
-
-def root_plan(model: nn.Module, sp: bool) -> dict[str, ParallelStyle]:
-    """Embedding, final norm and head, for those this model (or pipeline stage) has."""
-    seq = Shard(1)
-    plan: dict[str, ParallelStyle] = {}
-    if getattr(model, "embed_tokens", None) is not None:
-        plan["embed_tokens"] = RowwiseParallel(
-            input_layouts=Replicate(), output_layouts=seq if sp else Replicate()
-        )
-    if getattr(model, "norm", None) is not None:
-        plan["norm"] = _norm_style(sp)
-    if getattr(model, "lm_head", None) is not None:
-        # Logits stay a DTensor sharded on the vocabulary: the loss never gathers them.
-        plan["lm_head"] = ColwiseParallel(
-            input_layouts=seq if sp else Replicate(),
-            output_layouts=Shard(-1),
-            use_local_output=False,
-        )
-    return plan
-
-
 def apply_tensor_parallel(model: nn.Module, layout: Layout, tp_mesh: DeviceMesh) -> None:
-    """Shard `model` in place over `tp_mesh` (a no-op for tp = 1)."""
+    """Shard `model` in place over `tp_mesh` with its family's plan (a no-op for tp = 1)."""
     if tp_mesh.size() == 1:
         return
-    cfg = getattr(model, "cfg", None)
-    if cfg is not None and cfg.tie_word_embeddings:
-        # Row-wise embedding and column-wise head shard the shared matrix on different dims.
-        raise ValueError("parallel.tp > 1 does not support model.tie_word_embeddings")
-    sp = layout.sequence_parallel
-    for block in model.layers.values():
-        parallelize_module(block, tp_mesh, block_plan(sp))
-    parallelize_module(model, tp_mesh, root_plan(model, sp))
+    spec_of(model).tensor_parallel(model, layout, tp_mesh)
 
 
 @contextlib.contextmanager

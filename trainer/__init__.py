@@ -1,1 +1,1 @@
-"""What a worker runs: the Llama model, the global sample stream and the step loop."""
+"""What a worker runs: the model (models/), the global sample stream and the step loop."""

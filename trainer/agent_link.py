@@ -16,7 +16,7 @@ from proto.ultrascale.v1 import agent_pb2 as pb
 from proto.ultrascale.v1 import agent_pb2_grpc as pb_grpc
 from trainer.driver import Blocked
 from trainer.loop import StepResult
-from trainer.snapshots import Restored
+from trainer.restore_order import Restored
 
 # Beyond the long poll's own wait: the agent's answer and the socket's round trip.
 LONG_POLL_MARGIN_S = 5.0

@@ -24,14 +24,17 @@ from torch.distributed.device_mesh import DeviceMesh
 from checkpoint.durable import CheckpointManager
 from checkpoint.manifest import checkpoint_dir
 from checkpoint.snapshot_reader import Fetch
+from models.hf_config import hf_dir
 from parallel.job import JobConfig
 from parallel.job_paths import job_path
 from parallel.layout import Layout
 from parallel.planner import Restore
 from trainer.loop import StepResult, Trainer
 from trainer.memory_meter import MemoryMeter
+from trainer.pretrained import load_pretrained
+from trainer.restore_order import Restored, Served, first_served
 from trainer.shared_storage import CheckpointFragmented
-from trainer.snapshots import Restored, Snapshots, restore_snapshot
+from trainer.snapshots import Snapshots, restore_snapshot
 
 
 def _stderr(msg: str) -> None:
@@ -135,6 +138,7 @@ class GenerationDriver:
             CheckpointManager(
                 root, job.checkpoint.keep, layout=layout.to_dict(), timeout=timeout, log=log,
                 fragments=job.checkpoint.storage == "node",
+                extra={"model": dataclasses.asdict(job.model)},
             )
             if root is not None
             else None
@@ -169,33 +173,69 @@ class GenerationDriver:
         return loaded
 
     def restore_planned(self, planned: Restore, fetch: Fetch | None) -> Restored:
-        """Restore what the plan names, falling back tier by tier: the snapshot (from this
-        node's memory or a peer's, through `fetch`), then the newest valid durable checkpoint,
-        then the initial weights. Every rank takes the same branch.
+        """Restore in the order of trainer/restore_order.py: the snapshot the plan names (from
+        this node's memory or a peer's, through `fetch`), the newest valid durable checkpoint,
+        the job's pretrained weights, random weights. Every rank takes the same branch.
 
         On node-local directories (checkpoint.storage "node") the durable tier is the recorded
         checkpoint or nothing: when one is recorded and the ranks cannot all load it, every rank
         raises `CheckpointFragmented` rather than start from older state."""
         started = time.perf_counter()
-        skipped, fetched = "", 0
-        if planned.source == "snapshot":
+        skipped = ""
+
+        def snapshot() -> Served | str:
+            nonlocal skipped
+            if planned.source != "snapshot":
+                return f"the plan names {planned.source}" + (
+                    f" ({planned.reason})" if planned.reason else "")
             if fetch is None:
                 skipped = "snapshots are off on this node"
-            else:
-                skipped, fetched = restore_snapshot(self.trainer.state, planned.step, fetch)
-            if not skipped:
-                return Restored("snapshot", self.step, "", time.perf_counter() - started,
-                                fetched, f"snapshot@{planned.step}")
-        recorded = planned.step if planned.source == "checkpoint" else planned.checkpoint_step
-        if self.ckpt is not None and self.ckpt.fragments and recorded > 0:
-            memory = (f"the planned snapshot@{planned.step} was skipped: {skipped[:300]}"
-                      if planned.source == "snapshot"
-                      else planned.reason or "no snapshot the live nodes hold whole is as new")
-            loaded = self._restore_recorded(recorded, memory)
-        else:
-            loaded = self.restore()
-        return Restored("checkpoint" if loaded else "init", self.step, skipped,
-                        time.perf_counter() - started, fetched, loaded.name if loaded else "")
+                return skipped
+            skipped, fetched = restore_snapshot(self.trainer.state, planned.step, fetch)
+            return skipped or Served(f"snapshot@{planned.step}", fetched)
+
+        def checkpoint() -> Served | str:
+            recorded = planned.step if planned.source == "checkpoint" else planned.checkpoint_step
+            if self.ckpt is not None and self.ckpt.fragments and recorded > 0:
+                memory = (f"the planned snapshot@{planned.step} was skipped: {skipped[:300]}"
+                          if planned.source == "snapshot"
+                          else planned.reason or "no snapshot the live nodes hold whole is as new")
+                return Served(self._restore_recorded(recorded, memory).name)
+            return self._checkpoint_tier()
+
+        tier, served, passed = first_served({
+            "snapshot": snapshot, "checkpoint": checkpoint, "pretrained": self._pretrained_tier,
+            "init": Served,
+        })
+        return Restored(tier, self.step, skipped, time.perf_counter() - started,
+                        served.snapshot_bytes, served.name, passed)
+
+    def restore_start(self, resume: bool) -> Restored:
+        """The torchrun entry's restore: the newest checkpoint when resuming, else the job's
+        pretrained weights, else random weights (trainer/restore_order.py)."""
+        started = time.perf_counter()
+        tier, served, passed = first_served({
+            "snapshot": lambda: "in-memory snapshots need the daemon",
+            "checkpoint": self._checkpoint_tier if resume else (lambda: "--resume not given"),
+            "pretrained": self._pretrained_tier,
+            "init": Served,
+        })
+        return Restored(tier, self.step, "", time.perf_counter() - started, served.snapshot_bytes,
+                        served.name, passed)
+
+    def _checkpoint_tier(self) -> Served | str:
+        if self.ckpt is None:
+            return "checkpointing is off (no checkpoint.dir)"
+        loaded = self.restore()
+        return Served(loaded.name) if loaded is not None else \
+            f"no valid checkpoint under {self.ckpt.root}"
+
+    def _pretrained_tier(self) -> Served | str:
+        if not self.job.init.hf:
+            return "the job sets no init.hf"
+        directory = hf_dir(self.job.init.hf)
+        load_pretrained(self.trainer.model, directory)
+        return Served(str(directory))
 
     def _restore_recorded(self, step: int, memory: str) -> Path:
         """Load durable checkpoint `step` from node-local directories, or fail every rank alike

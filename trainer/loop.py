@@ -18,6 +18,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from checkpoint.state import Progress, TrainState
+from models import get_spec
 from ops.loss import count_tokens, cross_entropy_sum
 from parallel import grad_norm
 from parallel.exact_sum import exact_slot_sum, exact_squared_norm
@@ -33,7 +34,6 @@ from parallel.tensor_parallel import local_loss, vocab_parallel_loss
 from parallel.zero import ShardedAdamW
 from trainer.data import SampleStream, open_stream, step_micro_batches
 from trainer.memory_meter import MeasuredMemory
-from trainer.model import Llama, build_model, init_weights
 from trainer.shard_local_adamw import ShardLocalAdamW
 
 
@@ -114,7 +114,8 @@ class Trainer:
         self.cfg, self.layout, self.mesh, self.device = cfg, layout, mesh, device
         if cfg.parallel.reproducible:
             enable_deterministic_kernels(device)
-        self.model: Llama = build_model(cfg.model)
+        self.spec = get_spec(cfg.model.family)
+        self.model = self.spec.build(cfg.model)
         # With pp > 1, self.model is this rank's union of stages and parts are the stages.
         self.recompute = RecomputeMeter()
         parts = (
@@ -123,7 +124,8 @@ class Trainer:
             else [self.model]
         )
         self.model.to_empty(device=device)
-        init_weights(self.model, cfg.train.seed)
+        # Random weights from (seed, name); a restore (trainer/restore_order.py) overwrites them.
+        self.spec.init_weights(self.model, cfg.train.seed)
         for part in parts:
             part.init_buffers(device)
         zero1 = data_mesh(mesh) if mesh is not None and layout.zero == 1 else None

@@ -49,16 +49,12 @@ def run(cfg: JobConfig, *, stop_at: int, resume: bool, printer) -> int:
             last_step=stop_at,
             step_log=output_dir(cfg),
         )
-        if resume:
-            loaded = driver.restore()
-            if rank == 0:
-                if loaded is None:
-                    _log("resume: no valid checkpoint found; starting from step 0")
-                else:
-                    _log(
-                        f"resume: loaded {loaded} (step {driver.step}, "
-                        f"consumed_samples {driver.consumed_samples}) on dp={layout.dp}"
-                    )
+        restored = driver.restore_start(resume)
+        if rank == 0 and restored.source == "checkpoint":
+            _log(f"resume: loaded {driver.ckpt.root / restored.name} (step {driver.step}, "
+                 f"consumed_samples {driver.consumed_samples}) on dp={layout.dp}")
+        elif rank == 0 and (resume or restored.source == "pretrained"):
+            _log(f"restored {restored.describe()}")
         if rank == 0:
             _log(f"layout: {layout.to_dict()}")
         while driver.step < stop_at:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -31,18 +30,6 @@ from checkpoint.state import TrainState
 
 # A rewrite in this many looks every item up again (and rebuilds the fast path).
 _REVALIDATE_EVERY = 100
-
-
-@dataclass(frozen=True)
-class Restored:
-    """What a generation's restore loaded, and why a faster tier was skipped."""
-
-    source: str  # init | checkpoint | snapshot
-    step: int
-    skipped: str = ""  # why the plan's snapshot was not used ("" when it was, or none was named)
-    seconds: float = 0.0
-    snapshot_bytes: int = 0
-    name: str = ""  # the checkpoint directory's name, or "snapshot@<step>"
 
 
 class CountingFetch:

@@ -156,11 +156,9 @@ class Generation:
             SnapshotStore(snapshot_root).free_after(driver.step)
         self.link.report_restore(gp, restored)
         if gp.global_rank == 0:
-            what = f"{restored.name} (step {driver.step})" if restored.name else "nothing: step 0"
-            skipped = f" (snapshot skipped: {restored.skipped})" if restored.skipped else ""
             _log(
                 f"generation {gp.generation}: world {gp.world_size}, layout dp={layout.dp}; "
-                f"restored {what} in {restored.seconds:.2f}s{skipped}"
+                f"restored {restored.describe()} in {restored.seconds:.2f}s"
             )
         return self._train(driver)
 

@@ -20,7 +20,7 @@ from parallel.cost_model import (
 )
 from parallel.job import ModelConfig
 from parallel.layout import Layout, predicted_bubble
-from parallel.memory_model import llama_param_counts
+from parallel.memory_model import param_counts
 
 pytestmark = pytest.mark.unit
 
@@ -50,7 +50,7 @@ def test_flops_per_token_agrees_with_the_mfu_benchmark() -> None:
 
 def test_training_flops_are_six_n_tokens_plus_attention() -> None:
     model = ModelConfig()
-    counts = llama_param_counts(model)
+    counts = param_counts(model)
     # Matmul weights: everything but the norms and the embedding (a lookup).
     n = counts.total - counts.embedding - counts.per_layer_norms * counts.num_layers
     n -= counts.final_norm

@@ -10,7 +10,7 @@ from parallel.memory_model import (
     in_flight_microbatches,
     korthikanti_layer_bytes,
     layer_activation_bytes,
-    llama_param_counts,
+    param_counts,
     peak_memory,
     rank_memory,
     state_bytes_per_param,
@@ -79,11 +79,11 @@ def test_zero_shards_round_up_to_whole_parameters() -> None:
 )
 def test_param_counts_match_the_trainer_model(cfg: ModelConfig) -> None:
     torch = pytest.importorskip("torch")
-    from trainer.model import build_model
+    from models.llama.model import build_model
 
     with torch.device("meta"):
         model = build_model(cfg)
-    assert llama_param_counts(cfg).total == sum(p.numel() for p in model.parameters())
+    assert param_counts(cfg).total == sum(p.numel() for p in model.parameters())
 
 
 # s = 2048, b = 1, h = 4096, a = 32: sbh = 8_388_608 and 5as/h = 5 * 32 * 2048 / 4096 = 80.
@@ -111,7 +111,7 @@ def test_korthikanti_table_2_by_hand(tp: int, sp: bool, recompute: str, expected
 
 
 def test_layer_activations_count_what_the_llama_block_saves() -> None:
-    # The tensors autograd saves for trainer/model.py's block (trainer/memory_meter.py counts
+    # The tensors autograd saves for models/llama/model.py's block (trainer/memory_meter.py counts
     # them; tests/distributed/test_memory_measured.py compares): T tokens, fp32.
     model = ModelConfig(hidden_size=H, intermediate_size=11008, num_hidden_layers=32,
                         num_attention_heads=A, num_key_value_heads=8, max_position_embeddings=S)
@@ -170,7 +170,7 @@ def test_1f1b_first_stage_keeps_activations_of_all_layers_whatever_pp() -> None:
 
 def test_rank_memory_splits_state_over_tp_pp_and_dp() -> None:
     model = ModelConfig()  # untied: embedding on the first stage, head on the last
-    counts = llama_param_counts(model)
+    counts = param_counts(model)
     layers_per_stage = model.num_hidden_layers // 2
     tp = 2
     layer = (counts.per_layer - counts.per_layer_norms) // tp + counts.per_layer_norms
@@ -185,7 +185,7 @@ def test_rank_memory_splits_state_over_tp_pp_and_dp() -> None:
 
 def test_bf16_layouts_accumulate_gradients_in_fp32_by_default() -> None:
     model = ModelConfig()
-    psi = llama_param_counts(model).total
+    psi = param_counts(model).total
     steps = 4 * (9 * model.num_hidden_layers + 3)  # AdamW's fp32 step counter per tensor
     got = rank_memory(model, Layout(zero=1, mixed_precision="bf16"), 128, 0)
     assert (got.params, got.grads, got.optimizer) == (2 * psi, 6 * psi, 12 * psi + steps)
@@ -213,7 +213,7 @@ def test_state_is_sharded_tensor_by_tensor_over_dp_times_cp() -> None:
     assert four.params * 4 == one.params and four.optimizer * 4 == one.optimizer + 3 * tensors * 4
     # 7 ranks: every tensor's dim 0 rounds up (96 -> 14 rows, 200 -> 29, 300 -> 43).
     seven = rank_memory(model, Layout(zero=3, dp=7), 32, 0)
-    psi = llama_param_counts(model).total
+    psi = param_counts(model).total
     assert seven.params > -(-psi // 7) * 4
     # ZeRO-1 and ZeRO-2 keep whole parameters (ZeRO-1) or shards (ZeRO-2 is FSDP2, which
     # shards at rest); ZeRO-1's gradients are whole.
@@ -225,6 +225,6 @@ def test_state_is_sharded_tensor_by_tensor_over_dp_times_cp() -> None:
 
 def test_tp_embedding_gradient_is_whole_under_zero1() -> None:
     model = ModelConfig()
-    counts = llama_param_counts(model)
+    counts = param_counts(model)
     z1 = rank_memory(model, Layout(zero=1, tp=2), 128, 0)
     assert z1.grads - z1.params == counts.embedding // 2 * 4

@@ -7,13 +7,13 @@ import math
 import pytest
 import torch
 
+from models.llama.model import build_model, init_weights
 from ops.attention import attention, attention_math, attention_sdpa
 from ops.loss import IGNORE_INDEX, count_tokens, cross_entropy_sum
 from ops.norm import rms_norm
 from ops.rotary import apply_rotary, rotary_tables
 from parallel.job import ModelConfig, TrainConfig
 from trainer.loop import learning_rate
-from trainer.model import build_model, init_weights
 
 pytestmark = pytest.mark.unit
 

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import pytest
 
+from models.llama.model import build_model
 from parallel.job import ConfigError, JobConfig, ModelConfig, ParallelConfig, TrainConfig
 from parallel.layout import Layout, check_supported, predicted_bubble, resolve
 from parallel.pipeline import split_stages, stage_ids
-from trainer.model import build_model
 
 pytestmark = pytest.mark.unit
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from models.llama.model import build_model, init_weights
 from parallel.job import ModelConfig
 from parallel.recompute import RecomputeMeter, apply_recompute
-from trainer.model import build_model, init_weights
 
 pytestmark = pytest.mark.unit
 

@@ -1,4 +1,5 @@
-"""A plain single-device Llama (GQA, SwiGLU, RMSNorm, RoPE, optional tied embeddings).
+"""A plain single-device Llama (GQA, SwiGLU, RMSNorm, RoPE with Llama 3 scaling, optional
+biases and tied embeddings): Llama 1-3.x, SmolLM, TinyLlama, Qwen2-shaped models without biases.
 
 Parallelism is applied afterwards by `parallel.parallelize`; nothing here knows about meshes.
 Module and parameter names follow Hugging Face's `LlamaForCausalLM` so weights map one to one.
@@ -17,7 +18,7 @@ from torch import nn
 
 from ops.attention import attention
 from ops.norm import RMSNorm
-from ops.rotary import apply_rotary, rotary_tables
+from ops.rotary import RopeScalingParams, apply_rotary, rotary_tables
 from parallel.job import ModelConfig
 
 
@@ -25,10 +26,12 @@ class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.head_dim = cfg.head_dim
-        self.q_proj = nn.Linear(cfg.hidden_size, cfg.num_attention_heads * cfg.head_dim, bias=False)
-        self.k_proj = nn.Linear(cfg.hidden_size, cfg.num_key_value_heads * cfg.head_dim, bias=False)
-        self.v_proj = nn.Linear(cfg.hidden_size, cfg.num_key_value_heads * cfg.head_dim, bias=False)
-        self.o_proj = nn.Linear(cfg.num_attention_heads * cfg.head_dim, cfg.hidden_size, bias=False)
+        h, q, kv, bias = (cfg.hidden_size, cfg.num_attention_heads * cfg.head_dim,
+                          cfg.num_key_value_heads * cfg.head_dim, cfg.attention_bias)
+        self.q_proj = nn.Linear(h, q, bias=bias)
+        self.k_proj = nn.Linear(h, kv, bias=bias)
+        self.v_proj = nn.Linear(h, kv, bias=bias)
+        self.o_proj = nn.Linear(q, h, bias=bias)
         # softmax(QK^T)V on (batch, heads, seq, head_dim); context parallelism swaps in ring
         # attention over its group (parallel.context_parallel).
         self.core: Callable[..., torch.Tensor] = attention
@@ -47,9 +50,10 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        h, i, bias = cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias
+        self.gate_proj = nn.Linear(h, i, bias=bias)
+        self.up_proj = nn.Linear(h, i, bias=bias)
+        self.down_proj = nn.Linear(i, h, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
@@ -99,13 +103,20 @@ class Llama(nn.Module):
 
     @torch.no_grad()
     def init_buffers(self, device: torch.device | str) -> None:
+        cfg = self.cfg
         cos, sin = rotary_tables(
-            self.cfg.max_position_embeddings,
-            self.cfg.head_dim,
-            self.cfg.rope_theta,
-            torch.device(device),
+            cfg.max_position_embeddings, cfg.head_dim, cfg.rope_theta, torch.device(device),
+            scaling=rope_scaling_of(cfg),
         )
         self.rope_cos, self.rope_sin = cos, sin
+
+
+def rope_scaling_of(cfg: ModelConfig) -> RopeScalingParams:
+    r = cfg.rope_scaling
+    return RopeScalingParams(
+        r.rope_type, r.factor, r.low_freq_factor, r.high_freq_factor,
+        r.original_max_position_embeddings or cfg.max_position_embeddings,
+    )
 
 
 def _param_seed(seed: int, name: str) -> int:
@@ -136,6 +147,8 @@ def init_weights(model: Llama, seed: int) -> None:
         full_shape = param.shape
         if name.endswith("layernorm.weight") or name == "norm.weight":
             full = torch.ones(full_shape)
+        elif name.endswith(".bias"):
+            full = torch.zeros(full_shape)
         else:
             gen = torch.Generator().manual_seed(_param_seed(seed, name))
             full = torch.empty(full_shape).normal_(0.0, std, generator=gen)

@@ -1,0 +1,89 @@
+"""What a model family hands the rest of the code base: one frozen `ModelSpec`.
+
+`parallel/`, `trainer/` and the planner ask the spec of `model.family` for everything that
+depends on the architecture: the module, its tensor/sequence-parallel plan, how its layers are cut
+into pipeline stages, its parameter and FLOP counts, and the mapping to Hugging Face names and
+config fields. This module is pure (no torch): the planner and the job parser import it, and a
+spec's torch-side callables import their modules only when called.
+
+A family's module must keep its decoder blocks in a `layers` ModuleDict keyed by index, each with
+a `self_attn` whose `core` is the attention function (context parallelism, recompute and FSDP2
+wrap those), and must be built on the meta device.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from torch import nn
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from parallel.job import ModelConfig
+    from parallel.layout import Layout
+
+
+@dataclass(frozen=True)
+class ParamCounts:
+    """Parameters of a model, by where they live."""
+
+    per_layer: int  # one decoder layer, its norms included
+    per_layer_norms: int  # the part of `per_layer` that TP replicates instead of sharding
+    embedding: int
+    head: int  # 0 when tied to the embedding
+    final_norm: int
+    num_layers: int
+
+    @property
+    def total(self) -> int:
+        return self.per_layer * self.num_layers + self.embedding + self.head + self.final_norm
+
+
+@dataclass(frozen=True)
+class ParamShape:
+    """One parameter tensor and the dim tensor parallelism splits (None: replicated).
+
+    `whole_grad`: the gradient comes out of autograd replicated over tp (the whole tensor),
+    however the weight is split (a vocabulary-parallel embedding's)."""
+
+    shape: tuple[int, ...]
+    tp_dim: int | None
+    whole_grad: bool = False
+
+
+@dataclass(frozen=True)
+class HFAdapter:
+    """Between our names and fields and Hugging Face's for one family.
+
+    `to_hf`/`from_hf` map a parameter's fully qualified name; `config_from_hf` turns a
+    config.json into `[model]` fields (raising ConfigError naming the key it cannot take);
+    `config_to_hf` the other way; `hf_names` lists the tensors a full model's files hold."""
+
+    model_type: str
+    to_hf: Callable[[str], str]
+    from_hf: Callable[[str], str]
+    config_from_hf: Callable[[Mapping[str, Any]], dict[str, Any]]
+    config_to_hf: Callable[[ModelConfig], dict[str, Any]]
+    hf_names: Callable[[ModelConfig], list[str]]
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    name: str
+    # Family-specific checks of `[model]`, raising ConfigError naming the field.
+    validate: Callable[[ModelConfig], None]
+    # The single-device module on the meta device, and its initial weights from (seed, name).
+    build: Callable[[ModelConfig], nn.Module]
+    init_weights: Callable[[nn.Module, int], None]
+    # Shard a built module in place over the tp mesh (its TP/SP plan).
+    tensor_parallel: Callable[[nn.Module, Layout, DeviceMesh], None]
+    # Cut a built module to the given stages: (global stage index, its layer indices), of
+    # `n_stages`; returns one module per stage (pipeline split points).
+    split_stages: Callable[[nn.Module, list[tuple[int, range]], int], list[nn.Module]]
+    # Size formulas (pure).
+    param_counts: Callable[[ModelConfig], ParamCounts]
+    param_shapes: Callable[[ModelConfig], dict[str, tuple[ParamShape, ...]]]
+    attention_flops_per_token: Callable[[ModelConfig, int], float]
+    hf: HFAdapter
