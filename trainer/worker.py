@@ -162,7 +162,10 @@ class Generation:
                 f"generation {gp.generation}: world {gp.world_size}, layout dp={layout.dp}; "
                 f"restored {what} in {restored.seconds:.2f}s{skipped}"
             )
-        return self._train(driver)
+        try:
+            return self._train(driver)
+        finally:
+            driver.close()
 
     def _train(self, driver: GenerationDriver) -> Outcome:
         gp, beat, link = self.gp, self.beat, self.link
