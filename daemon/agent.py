@@ -77,8 +77,8 @@ class Agent(WorkerReports):
         self._follow = asyncio.Event()
         self._seen_generation = 0
         self.recovery = RecoveryPhases()  # the recovery in progress, if any, split in phases
-        # local ranks killed as hung: why, and the generation they hung in
-        self._hung: dict[int, tuple[str, int]] = {}
+        # local ranks killed as hung: why, the generation they hung in, their stacks
+        self._hung: dict[int, tuple[str, int, str]] = {}
         # The newest generation a local worker failed in: it is broken, never hand it out again.
         self.broken_generation = 0
         self._leader_checked = 0  # the newest generation a failure made us check the leader in
@@ -344,22 +344,23 @@ class Agent(WorkerReports):
     # -- worker reports ---------------------------------------------------------------------------
 
     def on_worker_failure(self, local_rank: int, generation: int, kind: FailureKind, step: int,
-                          message: str, detect_s: float = 0.0) -> None:
+                          message: str, detect_s: float = 0.0, stacks: str = "") -> None:
         self.recovery.failed(generation, time.monotonic(), detect_s)
         self.broken_generation = max(self.broken_generation, generation)
         log.error("worker local_rank=%d failed in generation %d (%s): %s", local_rank,
                   generation, kind.value, message[:500])
         self._report_failure(f"failure-{self.node_id}-{generation}-{local_rank}", generation,
-                             kind, step, message)
+                             kind, step, message, stacks)
         if kind == FailureKind.PEER and self._leader_checked < generation:
             self._leader_checked = generation  # once per broken generation
             self.tasks.spawn(revoke_dead_leader(self.view, self.etcd, self.keys, self.io.probe,
                                                 self.node_id), "leader-check", long_lived=False)
 
     def _report_failure(self, request_id: str, generation: int, kind: FailureKind, step: int,
-                        message: str) -> None:
+                        message: str, stacks: str = "") -> None:
         request = ControlRequest(op=ControlOp.FAILURE, node=self.node_id, generation=generation,
-                                 kind=kind, step=step, message=message[:2000], time=time.time())
+                                 kind=kind, step=step, message=message[:2000], time=time.time(),
+                                 stacks=stacks[-4096:])
         self.tasks.spawn(put_until_acknowledged(
             self.etcd, self.keys.control_request(request_id), request,
             lambda: self.view.generation <= generation and not self.stopping.is_set()),
@@ -370,9 +371,9 @@ class Agent(WorkerReports):
         hung = self._hung.pop(exit_.local_rank, None)
         if exit_.expected and hung is None:
             return
-        generation = self.view.generation
+        generation, stacks = self.view.generation, ""
         if hung is not None:
-            kind, (message, hung_in) = FailureKind.HANG, hung
+            kind, (message, hung_in, stacks) = FailureKind.HANG, hung
             # A worker stuck in a generation that was already replaced fails that one, not the
             # current one (whose world waits for this local rank's fresh worker).
             generation = min(generation, hung_in) if hung_in else generation
@@ -382,7 +383,7 @@ class Agent(WorkerReports):
                       + (f": {exit_.error}" if exit_.error else "")
         progress = self.view.progress
         step = progress.step if progress.generation == generation else -1
-        self.on_worker_failure(exit_.local_rank, generation, kind, step, message)
+        self.on_worker_failure(exit_.local_rank, generation, kind, step, message, stacks=stacks)
         plan = self.view.plan
         if plan is not None and self.node_id in plan.nodes and self.supervisor is not None:
             # Replace it at once: the next generation will want this local rank again.
@@ -390,7 +391,9 @@ class Agent(WorkerReports):
                              long_lived=False)
 
     async def _kill_hung(self, local_rank: int, reason: str, generation: int) -> None:
-        if self.supervisor is None:
-            return
-        self._hung[local_rank] = (f"worker local_rank={local_rank} hung: {reason}", generation)
-        await self.supervisor.stop([local_rank], grace=0)
+        # Asking takes a bounded wait; None: the worker exited meanwhile (reported as an exit).
+        stacks = await self.supervisor.ask_stacks(local_rank) if self.supervisor else None
+        if stacks is not None and self.supervisor is not None:
+            self._hung[local_rank] = (f"worker local_rank={local_rank} hung: {reason}",
+                                      generation, stacks)
+            await self.supervisor.stop([local_rank], grace=0)

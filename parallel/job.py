@@ -189,6 +189,16 @@ class FaultConfig:
 
 
 @dataclass(frozen=True)
+class ProfileConfig:
+    """torch.profiler traces of steps `steps = [first, last]` (1-based, inclusive; empty: off),
+    written by the global ranks listed in `ranks` ("all": every rank) under
+    `<job.output_dir>/profile/rank_<r>/` (docs/observability.md, "Profiling")."""
+
+    steps: tuple[int, ...] = ()
+    ranks: Union[tuple[int, ...], Literal["all"]] = (0,)  # noqa: UP007 - read by the parser
+
+
+@dataclass(frozen=True)
 class JobMeta:
     name: str = "job"
     output_dir: JobPath = JobPath("")
@@ -204,6 +214,7 @@ class JobConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     fault: FaultConfig = field(default_factory=FaultConfig)
+    profile: ProfileConfig = field(default_factory=ProfileConfig)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -217,6 +228,7 @@ MAX_LIST = 64  # items
 MAX_STEPS = 10**9
 MAX_SECONDS = 86400.0  # a day: any deadline or delay
 MAX_WEIGHT = 1e6  # a blend source's relative weight
+MAX_RANK = 2**31 - 1  # a global rank named in a list (profile.ranks)
 # The largest value of every int and float field: far beyond any real job, small enough that
 # nothing derived from them (world sizes, sample counts, deadlines) overflows or runs forever.
 MAX: dict[str, int | float] = {
@@ -384,6 +396,16 @@ def validate(cfg: JobConfig) -> None:
     if c.every and not c.dir:
         raise ConfigError("checkpoint.dir must be set when checkpoint.every > 0")
     _validate_fault(cfg.fault)
+    _validate_profile(cfg.profile, t.steps)
+
+
+def _validate_profile(p: ProfileConfig, steps: int) -> None:
+    if p.steps and (len(p.steps) != 2 or not 1 <= p.steps[0] < p.steps[1] <= steps):
+        raise ConfigError(f"profile.steps must be [first, last] with 1 <= first < last <= "
+                          f"train.steps (got {list(p.steps)}, train.steps {steps})")
+    if p.ranks != "all" and not all(0 <= r <= MAX_RANK for r in p.ranks):
+        raise ConfigError(f"profile.ranks must be global ranks in [0, {MAX_RANK}] or \"all\" "
+                          f"(got {list(p.ranks)})")
 
 
 def _validate_data(d: DataConfig) -> None:

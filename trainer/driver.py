@@ -32,6 +32,7 @@ from parallel.planner import Restore
 from trainer.loop import StepResult, Trainer
 from trainer.memory_meter import MemoryMeter
 from trainer.pretrained import load_pretrained
+from trainer.profiling import StepProfiler
 from trainer.restore_order import Restored, Served, first_served
 from trainer.shared_storage import CheckpointFragmented
 from trainer.snapshots import Snapshots, restore_snapshot
@@ -150,6 +151,7 @@ class GenerationDriver:
             if snapshot_root is not None and every > 0
             else None
         )
+        self.profiler = StepProfiler(job.profile, self.rank, output_dir(job) or Path("."), device)
         self._saved_step = -1
         self._reported = 0  # commits returned by new_commits
         self._blocked = Blocked()
@@ -268,9 +270,13 @@ class GenerationDriver:
             self._blocked.memory = self.snapshots.blocking_seconds
 
     def train_step(self) -> StepResult:
-        with self.memory.measure():
+        with self.profiler.step(self.step + 1), self.memory.measure():
             result = self.trainer.train_step()
         return dataclasses.replace(result, memory=self.memory.last)
+
+    def close(self) -> None:
+        """Whatever outlives the generation otherwise: an open profiler window."""
+        self.profiler.close()
 
     def commit(self, result: StepResult) -> None:
         """Record a step the ranks agreed to keep (a step abandoned for a newer generation is

@@ -17,17 +17,20 @@ with the agent is the WorkerControl service in proto/ultrascale/v1/agent.proto.
 
 Testing aid: `ULTRA_FAULT_FAIL_AT_STEP=N` [`ULTRA_FAULT_FAIL_NODES=node-1,...`] makes the
 worker raise a local `RuntimeError("injected fault at step N")` right after completing step N,
-each time it gets there (trainer.fault_injection).
+each time it gets there; `ULTRA_FAULT_HANG_AT_STEP=N` makes it hang there (trainer.fault_injection).
 
 Environment (set by the agent): ULTRA_AGENT_SOCKET, ULTRA_LOCAL_RANK, ULTRA_NODE_ID,
 ULTRA_AGENT_PID, ULTRA_WORKER_THREADS, ULTRA_SNAPSHOT_ROOT (where this node's in-memory
-snapshots live; unset: none are taken).
+snapshots live; unset: none are taken), ULTRA_STACKS_FD (where SIGUSR1 dumps the Python stacks,
+trainer.stack_dump).
 """
 
 from __future__ import annotations
 
-# First, before torch: arms the parent-death signal of a worker started by an agent.
+# First, before torch: arms the parent-death signal of a worker started by an agent, and its
+# answer to a request for its stacks (a worker stuck importing torch can still answer).
 from trainer.agent_death import die_with_agent
+from trainer.stack_dump import answer_stack_requests
 
 # isort: split
 import ctypes
@@ -160,7 +163,10 @@ class Generation:
                 f"generation {gp.generation}: world {gp.world_size}, layout dp={layout.dp}; "
                 f"restored {restored.describe()} in {restored.seconds:.2f}s"
             )
-        return self._train(driver)
+        try:
+            return self._train(driver)
+        finally:
+            driver.close()
 
     def _train(self, driver: GenerationDriver) -> Outcome:
         gp, beat, link = self.gp, self.beat, self.link
@@ -260,6 +266,7 @@ def next_backoff(previous: float | None, fault: FaultConfig) -> float:
 
 def main() -> int:
     die_with_agent()  # again: also without ULTRA_AGENT_PID (a test's own launcher)
+    answer_stack_requests()
     torch.set_num_threads(int(os.environ.get("ULTRA_WORKER_THREADS", "1")))
     freeze_import_heap()
     teardown = Teardown()

@@ -94,7 +94,8 @@ def render(keys: Keys, ev: Any) -> ClusterEvent | None:
         if req.op == ControlOp.FAILURE:
             return ClusterEvent(rev, "failure", req.node, req.generation,
                                 f"{req.node}: {req.kind.value} failure in generation "
-                                f"{req.generation} at step {req.step}: {req.message[:300]}")
+                                f"{req.generation} at step {req.step}: {req.message[:300]}"
+                                + (f"\n{req.stacks}" if req.stacks else ""))
         return ClusterEvent(rev, "control", req.node,
                             message=f"{req.op.value} {req.node}".strip() + " requested")
     if name == "restore" and put:

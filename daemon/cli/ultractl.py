@@ -339,8 +339,10 @@ def run(args: argparse.Namespace) -> int:
             # One event per line in every format, so `-f` output can be piped as it comes.
             d = _dict(ev)
             if out == "table":
+                # A hang's stacks follow its failure line, indented.
+                message = d["message"].replace("\n", "\n" + " " * 8)
                 print(f"{d['revision']:>6}  {d['kind']:<14} {d['node'] or '-':<10} "
-                      f"{d['message']}", flush=True)
+                      f"{message}", flush=True)
             else:
                 print(json.dumps(d, sort_keys=True) if out == "json"
                       else yaml.safe_dump([d], sort_keys=True), end="\n" if out == "json" else "",

@@ -291,6 +291,8 @@ class ControlRequest(Record):
     step: int = -1
     message: str = ""
     time: float = 0.0
+    # A hang: the hung worker's Python stacks (their last 4 KiB), or why there are none.
+    stacks: str = ""
 
 
 @dataclass(frozen=True)

@@ -13,6 +13,9 @@ A worker is `python -m <worker_module>` with:
   TORCHELASTIC_ERROR_FILE                where torch.distributed.elastic's @record writes the error
   ULTRA_AGENT_PID                        the agent's pid: the worker arms PR_SET_PDEATHSIG itself
 and dies with its agent, so a killed node leaves no orphan holding devices.
+  ULTRA_STACKS_FD                        a file of the agent's (worker-<rank>.stacks beside its
+log, 0600) where SIGUSR1 makes the worker write its Python stacks: `ask_stacks` before a hung
+worker is killed (daemon/node/stacks.py).
 
 With `standby`, the supervisor also keeps one spare worker per node, started once the node's
 workers have trained a step: it has imported torch and waits on its stdin (ULTRA_LOCAL_RANK is
@@ -34,6 +37,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from daemon.node.stacks import ask_stacks, open_stacks_file
 from daemon.procutil import is_stopped
 
 log = logging.getLogger(__name__)
@@ -59,6 +63,7 @@ class _Worker:
     proc: asyncio.subprocess.Process
     log_path: Path
     error_path: Path
+    stacks_path: Path
     task: asyncio.Task[None] | None = None
     stopping: bool = False
 
@@ -119,6 +124,21 @@ class Supervisor:
         name = "standby" if rank == STANDBY else str(rank)
         return self.log_dir / f"worker-{name}.log", self.log_dir / f"worker-{name}.error.json"
 
+    def _stacks_path(self, rank: int) -> Path:
+        return self.log_dir / f"worker-{'standby' if rank == STANDBY else rank}.stacks"
+
+    async def ask_stacks(self, local_rank: int) -> str | None:
+        """The Python stacks of the worker of `local_rank` (or why there are none), logged;
+        waits a bounded time (daemon/node/stacks.py). None when it has no worker by the end."""
+        w = self._workers.get(local_rank)
+        if w is None or w.proc.returncode is not None:
+            return None
+        stacks = await ask_stacks(w.proc.pid, w.stacks_path, is_stopped(w.proc.pid))
+        if self._workers.get(local_rank) is not w or w.proc.returncode is not None:
+            return None
+        log.warning("worker local_rank=%d pid=%d stacks:\n%s", local_rank, w.proc.pid, stacks)
+        return stacks
+
     async def _adopt(self, rank: int) -> bool:
         w = self._standby
         if w is None or w.proc.returncode is not None or w.proc.stdin is None:
@@ -133,6 +153,11 @@ class Supervisor:
         except (BrokenPipeError, ConnectionResetError):
             return False  # it died meanwhile; its reaper logs it
         w.local_rank, w.log_path, w.error_path = rank, log_path, error_path
+        # The next standby's file takes the standby name: this worker's keeps its rank's.
+        stacks_path = self._stacks_path(rank)
+        with contextlib.suppress(OSError):
+            os.replace(w.stacks_path, stacks_path)
+            w.stacks_path = stacks_path
         self._workers[rank] = w
         self._standby_failures = 0
         log.info("standby worker pid=%d takes local_rank=%d", w.proc.pid, rank)
@@ -142,6 +167,8 @@ class Supervisor:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         log_path, error_path = self._paths(rank)
         error_path.unlink(missing_ok=True)
+        stacks_path = self._stacks_path(rank)
+        stacks_fd = open_stacks_file(stacks_path)
         env = {
             **os.environ, **self.extra_env,
             "ULTRA_AGENT_SOCKET": str(self.socket_path),
@@ -155,14 +182,19 @@ class Supervisor:
             # fork handlers then restart its poller in the child, which crashes (SIGSEGV or
             # SIGABRT) when the child closes fds before exec.
             "ULTRA_AGENT_PID": str(os.getpid()),
+            "ULTRA_STACKS_FD": str(stacks_fd),
         }
-        with log_path.open("ab") as out:
-            proc = await asyncio.create_subprocess_exec(
-                self.python, "-m", self.worker_module,
-                stdin=asyncio.subprocess.PIPE if rank == STANDBY else asyncio.subprocess.DEVNULL,
-                stdout=out, stderr=asyncio.subprocess.STDOUT, env=env,
-            )
-        worker = _Worker(rank, proc, log_path, error_path)
+        try:
+            with log_path.open("ab") as out:
+                proc = await asyncio.create_subprocess_exec(
+                    self.python, "-m", self.worker_module,
+                    stdin=asyncio.subprocess.PIPE if rank == STANDBY
+                    else asyncio.subprocess.DEVNULL,
+                    stdout=out, stderr=asyncio.subprocess.STDOUT, env=env, pass_fds=(stacks_fd,),
+                )
+        finally:
+            os.close(stacks_fd)  # the worker holds its own copy
+        worker = _Worker(rank, proc, log_path, error_path, stacks_path)
         worker.task = asyncio.create_task(self._reap(worker), name=f"reap-worker-{rank}")
         if rank == STANDBY:
             self._standby = worker
