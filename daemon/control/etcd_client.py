@@ -1,10 +1,19 @@
 """The agent's etcd v3 client: aetcd for unary calls, aetcd's generated stubs for streams.
 
-The gRPC channel is opened here, not by aetcd (aetcd 1.0 dials only in plain text): TLS when
+The gRPC channels are opened here, not by aetcd (aetcd 1.0 dials only in plain text): TLS when
 the endpoints are https:// or TLS files are given (etcd_security.py), and with etcd's
 user/password auth, the token from Auth.Authenticate travels as `token` metadata on every
 call. etcd forgets simple tokens when it restarts and after `--auth-token-ttl` idle, so a call
 refused for its token re-authenticates once and is retried.
+
+One channel per endpoint, each dialled by the name or address it was given (gRPC's `dns:`
+resolver, so `etcd-0.etcd.<ns>.svc` works), so TLS checks every member's certificate for the
+name it was dialled by. Calls go to one member at a time; connecting to it first asks it
+something cheap (Authenticate, or Maintenance.Status), and a member that cannot be reached is
+logged at WARNING with gRPC's reason and the next one is tried. A call that finds the current
+member unreachable later moves the next call on to the next member. The caller's retry (with
+backoff) is what re-sends the call: a failed txn may have been applied, so it is never re-sent
+here.
 
 Two streams are ours rather than aetcd's: aetcd's `Lease.refresh()` opens a new gRPC stream per
 keepalive (measured here: it doubles CPU on both sides at 512 agents), so `KeepAlive`
@@ -90,51 +99,155 @@ def is_token_error(exc: BaseException) -> bool:
     return any(marker in (text or "") for marker in _TOKEN_ERRORS)
 
 
-class _Client(aetcd.Client):
-    """aetcd's calls over a channel opened here (TLS or not) and with etcd's auth token."""
+# The codes with which a call fails when the member did not answer it (not reachable, TLS
+# handshake refused, name not resolved, or no answer in time).
+_UNREACHABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
 
-    def __init__(self, target: str, credentials: grpc.ChannelCredentials | None, user: str,
-                 password: str, timeout: float, options: dict[str, Any]) -> None:
-        super().__init__(host=target, timeout=timeout, options=options)  # type: ignore[arg-type]
-        self._target = target
+
+def unreachable_reason(exc: BaseException) -> str | None:
+    """gRPC's account of why the member did not answer, or None when it did (it refused)."""
+    err = exc if isinstance(exc, grpc.aio.AioRpcError) else exc.__cause__
+    if isinstance(err, grpc.aio.AioRpcError) and err.code() in _UNREACHABLE:
+        return f"{err.code().name}: {err.details()}"
+    return None
+
+
+@dataclass(frozen=True)
+class Endpoint:
+    url: str     # as the operator would recognise it, for messages
+    target: str  # gRPC target: host:port, resolved by gRPC's dns: resolver
+
+
+def endpoints_of(hosts: Sequence[tuple[str, int]], tls: bool) -> list[Endpoint]:
+    scheme = "https" if tls else "http"
+    out = []
+    for host, port in hosts:
+        address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+        out.append(Endpoint(f"{scheme}://{address}", address))
+    return out
+
+
+class _Client(aetcd.Client):
+    """aetcd's calls over channels opened here (TLS or not), one per etcd endpoint, with
+    etcd's auth token."""
+
+    def __init__(self, endpoints: list[Endpoint], credentials: grpc.ChannelCredentials | None,
+                 user: str, password: str, timeout: float, options: dict[str, Any]) -> None:
+        super().__init__(host=endpoints[0].target, timeout=timeout,  # type: ignore[arg-type]
+                         options=options)
+        self._endpoints = endpoints
         self._credentials = credentials
         self._user = user
         self._password = password
         self._lock = asyncio.Lock()
+        self._channels: dict[int, grpc.aio.Channel] = {}
+        self._current = 0
+        self._failing: set[int] = set()  # warned about, and not known to answer since
 
     @property
     def authenticates(self) -> bool:
         return bool(self._user)
 
+    @property
+    def endpoint(self) -> Endpoint:
+        return self._endpoints[self._current]
+
+    def _channel(self, i: int) -> grpc.aio.Channel:
+        if i not in self._channels:
+            target, options = self._endpoints[i].target, list(self._options.items())
+            self._channels[i] = (
+                grpc.aio.secure_channel(target, self._credentials, options)
+                if self._credentials is not None
+                else grpc.aio.insecure_channel(target, options))
+        return self._channels[i]
+
     async def connect(self) -> None:
+        """Use the current member, else the next one that answers; each one that does not is
+        logged with gRPC's reason. A member that answers but refuses (a wrong password) is not
+        skipped: the refusal is raised."""
         if self._connected.is_set():
             return
         async with self._lock:
             if self._connected.is_set():
                 return
-            options = list(self._options.items())
-            channel = (grpc.aio.secure_channel(self._target, self._credentials, options)
-                       if self._credentials is not None
-                       else grpc.aio.insecure_channel(self._target, options))
-            self.channel = channel
-            self.kvstub = rpc.KVStub(channel)
-            self.clusterstub = rpc.ClusterStub(channel)
-            self.leasestub = rpc.LeaseStub(channel)
-            self.maintenancestub = rpc.MaintenanceStub(channel)
-            try:
-                if self._user:
-                    await self._authenticate()
-            except BaseException:
-                await channel.close()
-                self._init_channel_attrs()
-                raise
-            self._connected.set()
+            n = len(self._endpoints)
+            reasons = []
+            for i in ((self._current + k) % n for k in range(n)):
+                channel = self._channel(i)
+                try:
+                    metadata = await self._probe(channel)
+                except grpc.aio.AioRpcError as exc:
+                    reason = unreachable_reason(exc)
+                    if reason is None:
+                        raise
+                    self._report(i, reason)
+                    reasons.append(f"{self._endpoints[i].url}: {reason}")
+                    continue
+                if channel is not self.channel:
+                    log.info("etcd: using %s", self._endpoints[i].url)
+                self._answered(i)
+                self._current = i
+                self.channel, self.metadata = channel, metadata
+                self.kvstub = rpc.KVStub(channel)
+                self.clusterstub = rpc.ClusterStub(channel)
+                self.leasestub = rpc.LeaseStub(channel)
+                self.maintenancestub = rpc.MaintenanceStub(channel)
+                self._connected.set()
+                return
+            raise ConnectionError("no etcd endpoint answered: " + "; ".join(reasons))
+
+    async def _probe(self, channel: grpc.aio.Channel) -> Any:
+        """One cheap call that proves the member answers; with etcd auth, the token's metadata."""
+        if not self._user:
+            await rpc.MaintenanceStub(channel).Status(rpc.StatusRequest(),
+                                                      timeout=self._timeout)
+            return None
+        resp = await rpc.AuthStub(channel).Authenticate(
+            rpc.AuthenticateRequest(name=self._user, password=self._password),
+            timeout=self._timeout)
+        return (("token", resp.token),)
+
+    def _report(self, i: int, reason: str) -> None:
+        """Warn once per failure of a member, not once per call while it stays down."""
+        if i not in self._failing:
+            self._failing.add(i)
+            log.warning("etcd endpoint %s unreachable: %s", self._endpoints[i].url, reason)
+
+    def _answered(self, i: int) -> None:
+        if i in self._failing:
+            self._failing.discard(i)
+            log.info("etcd endpoint %s answers again", self._endpoints[i].url)
+
+    def on_result(self, channel: Any, exc: BaseException | None) -> None:
+        """A call on `channel` ended (`exc`: how it failed). A member that did not answer is
+        reported, and with other members to try, the next call connects to the next one."""
+        if channel is None or channel is not self.channel:
+            return  # a call on a member already left behind
+        if exc is None:
+            self._answered(self._current)
+            return
+        reason = unreachable_reason(exc)
+        if reason is None:
+            return
+        self._report(self._current, reason)
+        if len(self._endpoints) > 1:
+            # The channel stays open (closing it would cancel other tasks' calls on it); the
+            # next connect() starts with the member after this one.
+            self._current = (self._current + 1) % len(self._endpoints)
+            self._connected.clear()
 
     async def _authenticate(self) -> None:
         resp = await rpc.AuthStub(self.channel).Authenticate(
             rpc.AuthenticateRequest(name=self._user, password=self._password),
             timeout=self._timeout)
         self.metadata = (("token", resp.token),)
+
+    async def close(self) -> None:
+        channels, self._channels = list(self._channels.values()), {}
+        self._connected.clear()
+        self._init_channel_attrs()
+        for channel in channels:
+            await channel.close()
 
     async def reauthenticate(self, stale: Any) -> None:
         """A fresh token, unless another task already replaced `stale`."""
@@ -146,18 +259,13 @@ class _Client(aetcd.Client):
 
 
 class Etcd:
-    """One channel to the etcd cluster; every call has a deadline of `timeout` seconds."""
+    """The etcd cluster, one member at a time; every call has a deadline of `timeout` seconds."""
 
     def __init__(self, endpoints: str | Sequence[str], timeout: float = 2.0,
                  security: EtcdSecurity | None = None) -> None:
         hosts = parse_endpoints(endpoints)
         security = security or EtcdSecurity()
         tls = security.uses_tls(endpoints)
-        # gRPC's ipv4:/dns: targets list several addresses, so the channel fails over between
-        # etcd members by itself (pick_first).
-        head = ",".join(f"{h}:{p}" for h, p in hosts[:-1])
-        last_host, last_port = hosts[-1]
-        target = f"ipv4:{head},{last_host}:{last_port}" if head else f"{last_host}:{last_port}"
         options: dict[str, Any] = {
             # etcd answers pings more often than every 5 s (--grpc-keepalive-min-time) with
             # GOAWAY too_many_pings, dropping a connection that only holds a watch.
@@ -166,15 +274,11 @@ class Etcd:
             "grpc.initial_reconnect_backoff_ms": 100,
             "grpc.max_reconnect_backoff_ms": 1000,
         }
-        if tls and head:
-            # One channel verifies every member against one name: the first endpoint's host
-            # (an address list has no host name of its own). docs/security.md.
-            options["grpc.ssl_target_name_override"] = hosts[0][0]
         self.endpoints = hosts
         self.timeout = timeout
         self.tls = tls
-        self.client = _Client(target, security.credentials() if tls else None, security.user,
-                              security.password(), timeout, options)
+        self.client = _Client(endpoints_of(hosts, tls), security.credentials() if tls else None,
+                              security.user, security.password(), timeout, options)
         self.tx = self.client.transactions
 
     async def connect(self) -> None:
@@ -193,17 +297,24 @@ class Etcd:
 
     async def _authed(self, call: Callable[[], Awaitable[T]]) -> T:
         """`call()`, retried once with a fresh token when etcd refused the one it carried."""
-        stale = self.client.metadata
+        await self.connect()
+        stale, channel = self.client.metadata, self.client.channel
         try:
-            return await call()
+            result = await call()
         except ETCD_ERRORS as exc:
+            self.client.on_result(channel, exc)
             if not (self.client.authenticates and is_token_error(exc)):
                 raise
+        else:
+            self.client.on_result(channel, None)
+            return result
         await self.client.reauthenticate(stale)
         return await call()
 
-    async def _on_stream_error(self, exc: BaseException, stale: Any) -> None:
-        """A stream refused for its token: get a new one for the caller's next attempt."""
+    async def _on_stream_error(self, exc: BaseException, stale: Any, channel: Any) -> None:
+        """A stream refused for its token: get a new one for the caller's next attempt; one
+        whose member stopped answering: the next attempt goes to the next member."""
+        self.client.on_result(channel, exc)
         if self.client.authenticates and (is_token_error(exc) or "permission denied" in str(exc)):
             with contextlib.suppress(*ETCD_ERRORS):
                 await self.client.reauthenticate(stale)
@@ -263,8 +374,8 @@ class Etcd:
                 yield rpc.WatchRequest(progress_request=rpc_pb2.WatchProgressRequest())
             await stop.wait()
 
-        stale = self.metadata
-        call = rpc.WatchStub(self.channel).Watch(requests(), metadata=stale)
+        stale, channel = self.metadata, self.channel
+        call = rpc.WatchStub(channel).Watch(requests(), metadata=stale)
         try:
             async for resp in call:
                 if resp.compact_revision:
@@ -273,7 +384,7 @@ class Etcd:
                     raise ConnectionError(f"etcd cancelled the watch: {resp.cancel_reason}")
                 yield resp
         except ETCD_ERRORS as exc:
-            await self._on_stream_error(exc, stale)
+            await self._on_stream_error(exc, stale, channel)
             raise
         finally:
             stop.set()
@@ -311,8 +422,9 @@ class KeepAlive:
                 yield rpc.LeaseKeepAliveRequest(ID=self.lease_id)
                 await asyncio.sleep(interval)
 
-        stale = self.etcd.metadata
-        call = rpc.LeaseStub(self.etcd.channel).LeaseKeepAlive(requests(), metadata=stale)
+        await self.etcd.connect()
+        stale, channel = self.etcd.metadata, self.etcd.channel
+        call = rpc.LeaseStub(channel).LeaseKeepAlive(requests(), metadata=stale)
         try:
             async for resp in call:
                 at = sent.popleft() if sent else time.monotonic() - interval
@@ -321,7 +433,7 @@ class KeepAlive:
                     return
                 self.deadline = max(self.deadline, at + self.ttl)
         except ETCD_ERRORS as exc:
-            await self.etcd._on_stream_error(exc, stale)
+            await self.etcd._on_stream_error(exc, stale, channel)
             raise
         finally:
             call.cancel()
