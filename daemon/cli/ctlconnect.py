@@ -99,17 +99,15 @@ def resolve_target(endpoint: str | None, token_file: str | None, tls: TLSFiles,
         cert, key = (tls.cert, tls.key) if tls.cert or tls.key else (
             ctx.tls_cert or None, ctx.tls_key or None)
         tls = TLSFiles(tls.ca or ctx.tls_ca or None, cert, key)
-    discovered: tuple[str, ...] = ()
-    if endpoint:
-        try:
-            named = split_endpoints(endpoint)
-        except ContextError as exc:
-            raise TargetError(str(exc)) from None
-    elif ctx is not None:
-        named, discovered = split_endpoints(ctx.endpoint), ctx.discovered
-    else:
+    if not endpoint and ctx is None:
         raise TargetError("no endpoint: pass --endpoint, set ULTRA_ENDPOINT, or set up a "
                           f"context (ultractl config set-context) in {config}")
+    try:
+        named = split_endpoints(endpoint) if endpoint else split_endpoints(
+            ctx.endpoint, f"contexts.{ctx.name}.endpoint")  # type: ignore[union-attr]
+    except ContextError as exc:
+        raise TargetError(str(exc)) from None
+    discovered = ctx.discovered if not endpoint and ctx is not None else ()
     try:
         token = read_secret(Path(token_file).expanduser(), "--token-file") if token_file else ""
         credentials = client_credentials(*(Path(f).expanduser() if f else None
