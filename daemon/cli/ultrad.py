@@ -169,8 +169,10 @@ def build_config(opts: dict[str, Any]) -> Any:
             if opts[flag]:
                 read_pem(Path(opts[flag]), f"--{flag.replace('_', '-')}")
         etcd_security = _etcd_security(opts)
-        if opts["token_file"]:
-            read_secret(Path(opts["token_file"]).expanduser(), "--token-file", os.geteuid())
+        token_file = Path(opts["token_file"]).expanduser() if opts["token_file"] else None
+        if token_file is not None and token_file.exists():
+            # Owner and mode now, as a usage error; a missing file is reported at start.
+            read_secret(token_file, "--token-file", os.geteuid())
         check_listen(opts["listen"], tls=tls is not None, insecure=opts["insecure"])
         # /metrics serves no secret and takes no input, so Prometheus on another host may
         # scrape it without --insecure (which would also allow a clear-text gRPC listener).

@@ -52,6 +52,10 @@ PUT = rpc.Event.EventType.PUT
 DELETE = rpc.Event.EventType.DELETE
 
 
+class EtcdUnreachable(ConnectionError):
+    """No etcd member answered (each one's reason is in the message and was logged)."""
+
+
 class WatchCompacted(Exception):
     """The requested start revision was compacted away; the caller must re-read and resume."""
 
@@ -194,7 +198,7 @@ class _Client(aetcd.Client):
                 self.maintenancestub = rpc.MaintenanceStub(channel)
                 self._connected.set()
                 return
-            raise ConnectionError("no etcd endpoint answered: " + "; ".join(reasons))
+            raise EtcdUnreachable("no etcd endpoint answered: " + "; ".join(reasons))
 
     async def _probe(self, channel: grpc.aio.Channel) -> Any:
         """One cheap call that proves the member answers; with etcd auth, the token's metadata."""
@@ -282,7 +286,11 @@ class Etcd:
         self.tx = self.client.transactions
 
     async def connect(self) -> None:
-        await self.client.connect()
+        """Start on a member that answers, else carry on without one: each member that did not
+        answer is logged, and every call connects again (an agent starts while etcd is down).
+        A member that answers but refuses (a wrong password) raises."""
+        with contextlib.suppress(EtcdUnreachable):
+            await self.client.connect()
 
     async def close(self) -> None:
         await self.client.close()
@@ -297,7 +305,7 @@ class Etcd:
 
     async def _authed(self, call: Callable[[], Awaitable[T]]) -> T:
         """`call()`, retried once with a fresh token when etcd refused the one it carried."""
-        await self.connect()
+        await self.client.connect()
         stale, channel = self.client.metadata, self.client.channel
         try:
             result = await call()
@@ -329,7 +337,7 @@ class Etcd:
         request = rpc.RangeRequest(key=prefix, range_end=aetcd.utils.prefix_range_end(prefix))
 
         async def call() -> Any:
-            await self.connect()
+            await self.client.connect()
             return await rpc.KVStub(self.channel).Range(request, timeout=self.timeout,
                                                         metadata=self.metadata)
         resp = await self._authed(call)
@@ -361,7 +369,7 @@ class Etcd:
         empty response whose header revision is current) only once the watcher has caught up
         with history, which is how a reader of history knows it has seen all of it.
         """
-        await self.connect()
+        await self.client.connect()
         create = rpc.WatchCreateRequest(key=key, start_revision=start_revision, prev_kv=True)
         if prefix:
             create.range_end = aetcd.utils.prefix_range_end(key)
@@ -422,7 +430,7 @@ class KeepAlive:
                 yield rpc.LeaseKeepAliveRequest(ID=self.lease_id)
                 await asyncio.sleep(interval)
 
-        await self.etcd.connect()
+        await self.etcd.client.connect()
         stale, channel = self.etcd.metadata, self.etcd.channel
         call = rpc.LeaseStub(channel).LeaseKeepAlive(requests(), metadata=stale)
         try:
