@@ -6,14 +6,8 @@ user/password auth, the token from Auth.Authenticate travels as `token` metadata
 call. etcd forgets simple tokens when it restarts and after `--auth-token-ttl` idle, so a call
 refused for its token re-authenticates once and is retried.
 
-One channel per endpoint, each dialled by the name or address it was given (gRPC's `dns:`
-resolver, so `etcd-0.etcd.<ns>.svc` works), so TLS checks every member's certificate for the
-name it was dialled by. Calls go to one member at a time; connecting to it first asks it
-something cheap (Authenticate, or Maintenance.Status), and a member that cannot be reached is
-logged at WARNING with gRPC's reason and the next one is tried. A call that finds the current
-member unreachable later moves the next call on to the next member. The caller's retry (with
-backoff) is what re-sends the call: a failed txn may have been applied, so it is never re-sent
-here.
+Calls go to one etcd member at a time, over one channel per member that is dialled by its own
+name (etcd_members.py: DNS names, TLS per member, failover, warnings).
 
 Two streams are ours rather than aetcd's: aetcd's `Lease.refresh()` opens a new gRPC stream per
 keepalive (measured here: it doubles CPU on both sides at 512 agents), so `KeepAlive`
@@ -39,6 +33,7 @@ from aetcd import rpc
 from aetcd.exceptions import ClientError
 from aetcd.rpc import rpc_pb2
 
+from daemon.control.etcd_members import EtcdUnreachable, MemberClient, endpoints_of
 from daemon.control.etcd_security import EtcdSecurity
 
 # Anything that means "etcd did not answer": callers retry these with backoff.
@@ -50,10 +45,6 @@ T = TypeVar("T")
 log = logging.getLogger(__name__)
 PUT = rpc.Event.EventType.PUT
 DELETE = rpc.Event.EventType.DELETE
-
-
-class EtcdUnreachable(ConnectionError):
-    """No etcd member answered (each one's reason is in the message and was logged)."""
 
 
 class WatchCompacted(Exception):
@@ -103,163 +94,6 @@ def is_token_error(exc: BaseException) -> bool:
     return any(marker in (text or "") for marker in _TOKEN_ERRORS)
 
 
-# The codes with which a call fails when the member did not answer it (not reachable, TLS
-# handshake refused, name not resolved, or no answer in time).
-_UNREACHABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
-
-
-def unreachable_reason(exc: BaseException) -> str | None:
-    """gRPC's account of why the member did not answer, or None when it did (it refused)."""
-    err = exc if isinstance(exc, grpc.aio.AioRpcError) else exc.__cause__
-    if isinstance(err, grpc.aio.AioRpcError) and err.code() in _UNREACHABLE:
-        return f"{err.code().name}: {err.details()}"
-    return None
-
-
-@dataclass(frozen=True)
-class Endpoint:
-    url: str     # as the operator would recognise it, for messages
-    target: str  # gRPC target: host:port, resolved by gRPC's dns: resolver
-
-
-def endpoints_of(hosts: Sequence[tuple[str, int]], tls: bool) -> list[Endpoint]:
-    scheme = "https" if tls else "http"
-    out = []
-    for host, port in hosts:
-        address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-        out.append(Endpoint(f"{scheme}://{address}", address))
-    return out
-
-
-class _Client(aetcd.Client):
-    """aetcd's calls over channels opened here (TLS or not), one per etcd endpoint, with
-    etcd's auth token."""
-
-    def __init__(self, endpoints: list[Endpoint], credentials: grpc.ChannelCredentials | None,
-                 user: str, password: str, timeout: float, options: dict[str, Any]) -> None:
-        super().__init__(host=endpoints[0].target, timeout=timeout,  # type: ignore[arg-type]
-                         options=options)
-        self._endpoints = endpoints
-        self._credentials = credentials
-        self._user = user
-        self._password = password
-        self._lock = asyncio.Lock()
-        self._channels: dict[int, grpc.aio.Channel] = {}
-        self._current = 0
-        self._failing: set[int] = set()  # warned about, and not known to answer since
-
-    @property
-    def authenticates(self) -> bool:
-        return bool(self._user)
-
-    @property
-    def endpoint(self) -> Endpoint:
-        return self._endpoints[self._current]
-
-    def _channel(self, i: int) -> grpc.aio.Channel:
-        if i not in self._channels:
-            target, options = self._endpoints[i].target, list(self._options.items())
-            self._channels[i] = (
-                grpc.aio.secure_channel(target, self._credentials, options)
-                if self._credentials is not None
-                else grpc.aio.insecure_channel(target, options))
-        return self._channels[i]
-
-    async def connect(self) -> None:
-        """Use the current member, else the next one that answers; each one that does not is
-        logged with gRPC's reason. A member that answers but refuses (a wrong password) is not
-        skipped: the refusal is raised."""
-        if self._connected.is_set():
-            return
-        async with self._lock:
-            if self._connected.is_set():
-                return
-            n = len(self._endpoints)
-            reasons = []
-            for i in ((self._current + k) % n for k in range(n)):
-                channel = self._channel(i)
-                try:
-                    metadata = await self._probe(channel)
-                except grpc.aio.AioRpcError as exc:
-                    reason = unreachable_reason(exc)
-                    if reason is None:
-                        raise
-                    self._report(i, reason)
-                    reasons.append(f"{self._endpoints[i].url}: {reason}")
-                    continue
-                if channel is not self.channel:
-                    log.info("etcd: using %s", self._endpoints[i].url)
-                self._answered(i)
-                self._current = i
-                self.channel, self.metadata = channel, metadata
-                self.kvstub = rpc.KVStub(channel)
-                self.clusterstub = rpc.ClusterStub(channel)
-                self.leasestub = rpc.LeaseStub(channel)
-                self.maintenancestub = rpc.MaintenanceStub(channel)
-                self._connected.set()
-                return
-            raise EtcdUnreachable("no etcd endpoint answered: " + "; ".join(reasons))
-
-    async def _probe(self, channel: grpc.aio.Channel) -> Any:
-        """One cheap call that proves the member answers; with etcd auth, the token's metadata."""
-        if not self._user:
-            await rpc.MaintenanceStub(channel).Status(rpc.StatusRequest(),
-                                                      timeout=self._timeout)
-            return None
-        resp = await rpc.AuthStub(channel).Authenticate(
-            rpc.AuthenticateRequest(name=self._user, password=self._password),
-            timeout=self._timeout)
-        return (("token", resp.token),)
-
-    def _report(self, i: int, reason: str) -> None:
-        """Warn once per failure of a member, not once per call while it stays down."""
-        if i not in self._failing:
-            self._failing.add(i)
-            log.warning("etcd endpoint %s unreachable: %s", self._endpoints[i].url, reason)
-
-    def _answered(self, i: int) -> None:
-        if i in self._failing:
-            self._failing.discard(i)
-            log.info("etcd endpoint %s answers again", self._endpoints[i].url)
-
-    def on_result(self, channel: Any, exc: BaseException | None) -> None:
-        """A call on `channel` ended (`exc`: how it failed). A member that did not answer is
-        reported, and with other members to try, the next call connects to the next one."""
-        if channel is None or channel is not self.channel:
-            return  # a call on a member already left behind
-        if exc is None:
-            self._answered(self._current)
-            return
-        reason = unreachable_reason(exc)
-        if reason is None:
-            return
-        self._report(self._current, reason)
-        if len(self._endpoints) > 1:
-            # The channel stays open (closing it would cancel other tasks' calls on it); the
-            # next connect() starts with the member after this one.
-            self._current = (self._current + 1) % len(self._endpoints)
-            self._connected.clear()
-
-    async def _authenticate(self) -> None:
-        resp = await rpc.AuthStub(self.channel).Authenticate(
-            rpc.AuthenticateRequest(name=self._user, password=self._password),
-            timeout=self._timeout)
-        self.metadata = (("token", resp.token),)
-
-    async def close(self) -> None:
-        channels, self._channels = list(self._channels.values()), {}
-        self._connected.clear()
-        self._init_channel_attrs()
-        for channel in channels:
-            await channel.close()
-
-    async def reauthenticate(self, stale: Any) -> None:
-        """A fresh token, unless another task already replaced `stale`."""
-        async with self._lock:
-            if self._user and self.channel is not None and self.metadata == stale:
-                await self._authenticate()
-                log.info("etcd refused the auth token (restart or expiry); re-authenticated "
-                         "as %s", self._user)
 
 
 class Etcd:
@@ -281,7 +115,7 @@ class Etcd:
         self.endpoints = hosts
         self.timeout = timeout
         self.tls = tls
-        self.client = _Client(endpoints_of(hosts, tls), security.credentials() if tls else None,
+        self.client = MemberClient(endpoints_of(hosts, tls), security.credentials() if tls else None,
                               security.user, security.password(), timeout, options)
         self.tx = self.client.transactions
 

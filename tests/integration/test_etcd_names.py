@@ -72,7 +72,7 @@ def test_each_member_is_verified_for_the_name_it_was_dialled_by(
 
     # The member dialled as `localhost` shows a certificate without that name: refused, and
     # said so; the same member dialled by its address (which the certificate names) serves.
-    with caplog.at_level(logging.WARNING, logger="daemon.control.etcd_client"):
+    with caplog.at_level(logging.WARNING, logger="daemon.control.etcd_members"):
         assert asyncio.run(put_get(f"{by_name},{by_address}")) == b"ok"
     named = [r for r in caplog.records if r.levelno == logging.WARNING and by_name in r.message]
     assert named, [r.message for r in caplog.records]
