@@ -6,7 +6,10 @@ whose workers train in the current generation asks for its own drain through etc
 on, after a durable checkpoint, and the leader re-plans without this node. Then the agent
 exits 0. An agent that is not in a running job (waiting, control plane only, the job finished
 or not yet past its first step) has nothing to save and exits at once. A second SIGTERM, or
-SIGINT at any time, stops at once. docs/systemd.md has the whole protocol.
+SIGINT at any time, stops at once. SIGHUP is logged and ignored: the agent reads its flags,
+config file, token and TLS files only at start, and a half-applied reload (a new token on one
+listener, the old certificate on another) would be worse than none; a restart applies a
+change. docs/systemd.md has the whole protocol.
 """
 
 from __future__ import annotations
@@ -43,6 +46,8 @@ class Service:
         loop = asyncio.get_running_loop()
         loop.add_signal_handler(signal.SIGTERM, self._on_sigterm)
         loop.add_signal_handler(signal.SIGINT, self._stop_now, "SIGINT")
+        # Its default action would end the agent without a drain (a closed terminal sends it).
+        loop.add_signal_handler(signal.SIGHUP, self._on_sighup)
         agent.state.subscribe(lambda old, new, reason: notify.status(f"{new.value}: {reason}"))
         if notify.watchdog_s > 0:
             # Half the period, as sd_watchdog_enabled(3) recommends: one late ping is not fatal.
@@ -75,6 +80,11 @@ class Service:
         log.info("%s: stopping now", why)
         self.notifier.stopping(f"stopping: {why}")
         self.agent.stopping.set()
+
+    @staticmethod
+    def _on_sighup() -> None:
+        log.warning("SIGHUP ignored: ultrad reads its configuration, token and TLS files only "
+                    "at start; restart it (systemctl restart ultrad) to apply a change")
 
     def _on_sigterm(self) -> None:
         if self._draining:

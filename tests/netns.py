@@ -8,6 +8,9 @@ veth whose inside end is `eth0`, at <subnet>.(11 + i). Processes that run there
 these hosts does not depend on 127.0.0.1.
 `Hosts.cut(host)` takes the host's link down (both directions drop, no reset is sent: what a
 pulled cable or a dead switch port looks like), `Hosts.heal(host)` brings it back.
+`Hosts.resolve(host, names)` gives a host its own /etc/hosts (`ip netns exec` mounts
+/etc/netns/<netns>/hosts over it), so names such as `etcd-0.etcd.<ns>.svc` resolve there as
+cluster DNS would.
 
 Needs root and `ip netns`; `unavailable()` says why not. One set of hosts at a time per
 machine (a file lock), since every set uses the same subnet.
@@ -29,6 +32,7 @@ from typing import IO
 
 DOCUMENTATION_SUBNETS = ("198.51.100", "203.0.113", "192.0.2")
 LOCK = Path("/tmp/ultrascale-netns.lock")
+NETNS_ETC = Path("/etc/netns")  # per-namespace files that `ip netns exec` mounts over /etc
 
 
 class NetnsError(RuntimeError):
@@ -83,6 +87,10 @@ def _remove_leftovers() -> None:
         if ours.match(name):
             with contextlib.suppress(NetnsError):
                 _ip("netns", "delete", name)
+    if NETNS_ETC.is_dir():
+        for path in NETNS_ETC.iterdir():
+            if ours.match(path.name):
+                shutil.rmtree(path, ignore_errors=True)
 
 
 @dataclass(frozen=True)
@@ -144,6 +152,7 @@ class Hosts:
                 _ip("link", "delete", host.outside)
             with contextlib.suppress(NetnsError):
                 _ip("netns", "delete", host.netns)
+            shutil.rmtree(NETNS_ETC / host.netns, ignore_errors=True)
         self.hosts.clear()
         if self.bridge:
             with contextlib.suppress(NetnsError):
@@ -159,6 +168,15 @@ class Hosts:
 
     def __getitem__(self, name: str) -> Host:
         return self.hosts[name]
+
+    def resolve(self, name: str, names: dict[str, str]) -> None:
+        """In host `name`, each of `names` resolves to its address (and localhost to
+        loopback), for processes started with `Host.prefix()` from now on."""
+        etc = NETNS_ETC / self.hosts[name].netns
+        etc.mkdir(parents=True, exist_ok=True)
+        lines = ["127.0.0.1 localhost", "::1 localhost",
+                 *(f"{address} {host}" for host, address in names.items())]
+        (etc / "hosts").write_text("\n".join(lines) + "\n")
 
     def cut(self, name: str) -> None:
         _ip("link", "set", self.hosts[name].outside, "down")

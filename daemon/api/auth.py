@@ -2,10 +2,10 @@
 
 The token is given (--token-file) or generated into the state dir, 0600, on first start; every
 Agent RPC must carry `authorization: Bearer <token>`. A token file that group or others may
-read is refused. Health and reflection stay open so probes and grpcurl work without a secret.
-Listening beyond loopback without TLS is refused unless the operator says --insecure, because
-the token would cross the network in clear text. /metrics is not held to that rule: it serves
-no secret and takes no input (docs/security.md).
+read, or that another user owns, is refused. Health and reflection stay open so probes and
+grpcurl work without a secret. Listening beyond loopback without TLS is refused unless the
+operator says --insecure, because the token would cross the network in clear text. /metrics is
+not held to that rule: it serves no secret and takes no input (docs/security.md).
 """
 
 from __future__ import annotations
@@ -34,10 +34,10 @@ def load_or_create_token(token_file: Path | None, state_dir: Path) -> tuple[str,
     """The admin token and the file it lives in."""
     try:
         if token_file is not None:
-            return read_secret(token_file, "--token-file"), token_file
+            return read_secret(token_file, "--token-file", os.geteuid()), token_file
         path = state_dir / TOKEN_FILE
         if path.exists():
-            return read_secret(path, "token file"), path
+            return read_secret(path, "token file", os.geteuid()), path
     except SecretFileError as exc:
         raise AuthError(str(exc)) from None
     state_dir.mkdir(parents=True, exist_ok=True)

@@ -16,6 +16,12 @@ script knows a retry is safe.
 With a context, each successful command also asks the agent for the members' addresses and
 records them in the context (`discovered`), so losing the agents the context was set up with
 does not strand the CLI.
+
+Where the admin token may go: to an agent whose TLS identity ultractl verifies (any endpoint,
+when TLS is configured), or to loopback. An endpoint the operator named (flag, environment or
+the context's `endpoint`) on another host without TLS is refused unless `--insecure` says clear
+text is accepted. A discovered address comes from a node record in etcd, which whoever can
+write etcd can forge, so without TLS it is used only when it is loopback, `--insecure` or not.
 """
 
 from __future__ import annotations
@@ -30,7 +36,7 @@ from typing import Any
 
 import grpc
 
-from daemon.api.auth import call_metadata
+from daemon.api.auth import call_metadata, is_loopback, split_host_port
 from daemon.cli.ctlconfig import ContextError, load_context, save_discovered, split_endpoints
 from daemon.secret_files import SecretFileError, read_secret
 from daemon.tls_files import TLSFileError, client_credentials
@@ -76,7 +82,7 @@ class Target:
 
 
 def resolve_target(endpoint: str | None, token_file: str | None, tls: TLSFiles,
-                   context: str, config: Path) -> Target:
+                   context: str, config: Path, insecure: bool = False) -> Target:
     """Flag-or-environment values first; the context fills what they leave out."""
     ctx = None
     if context or not endpoint or not token_file:
@@ -93,16 +99,15 @@ def resolve_target(endpoint: str | None, token_file: str | None, tls: TLSFiles,
         cert, key = (tls.cert, tls.key) if tls.cert or tls.key else (
             ctx.tls_cert or None, ctx.tls_key or None)
         tls = TLSFiles(tls.ca or ctx.tls_ca or None, cert, key)
-    if endpoint:
-        try:
-            endpoints = split_endpoints(endpoint)
-        except ContextError as exc:
-            raise TargetError(str(exc)) from None
-    elif ctx is not None:
-        endpoints = ctx.endpoints()
-    else:
+    if not endpoint and ctx is None:
         raise TargetError("no endpoint: pass --endpoint, set ULTRA_ENDPOINT, or set up a "
                           f"context (ultractl config set-context) in {config}")
+    try:
+        named = split_endpoints(endpoint) if endpoint else split_endpoints(
+            ctx.endpoint, f"contexts.{ctx.name}.endpoint")  # type: ignore[union-attr]
+    except ContextError as exc:
+        raise TargetError(str(exc)) from None
+    discovered = ctx.discovered if not endpoint and ctx is not None else ()
     try:
         token = read_secret(Path(token_file).expanduser(), "--token-file") if token_file else ""
         credentials = client_credentials(*(Path(f).expanduser() if f else None
@@ -110,7 +115,24 @@ def resolve_target(endpoint: str | None, token_file: str | None, tls: TLSFiles,
                                          ) if tls.given() else None
     except (SecretFileError, TLSFileError) as exc:
         raise TargetError(str(exc)) from None
+    endpoints = token_endpoints(named, discovered, tls=credentials is not None,
+                                insecure=insecure)
     return Target(endpoints, token, credentials, from_context, config)
+
+
+def token_endpoints(named: tuple[str, ...], discovered: tuple[str, ...], *, tls: bool,
+                    insecure: bool) -> tuple[str, ...]:
+    """The endpoints that may receive the token, named ones first (docstring above)."""
+    if tls:
+        return tuple(dict.fromkeys([*named, *discovered]))
+    remote = [e for e in named if not is_loopback(split_host_port(e)[0])]
+    if remote and not insecure:
+        raise TargetError(
+            f"{remote[0]} is not a loopback address and no TLS is configured (--tls-ca, "
+            "--tls-cert/--tls-key): the token would cross the network in clear text; configure "
+            "TLS or pass --insecure")
+    local = [e for e in discovered if is_loopback(split_host_port(e)[0])]
+    return tuple(dict.fromkeys([*named, *local]))
 
 
 class Agents:

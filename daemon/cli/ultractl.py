@@ -9,9 +9,10 @@
       completion bash|zsh
 
 Global flags go before or after the command: --endpoint, --token-file, --tls-ca, --context,
---config, -o/--output table|json|yaml, --timeout. Each field comes from its flag, else its
-environment variable (ULTRA_ENDPOINT, ULTRA_TOKEN_FILE, ULTRA_TLS_CA, ULTRA_CONTEXT,
-ULTRACTL_CONFIG, ULTRA_OUTPUT, ULTRA_TIMEOUT), else the context. An endpoint may list several
+--config, -o/--output table|json|yaml, --timeout, --insecure. Each field comes from its flag,
+else its environment variable (ULTRA_ENDPOINT, ULTRA_TOKEN_FILE, ULTRA_TLS_CA, ULTRA_CONTEXT,
+ULTRACTL_CONFIG, ULTRA_OUTPUT, ULTRA_TIMEOUT, ULTRA_INSECURE), else the context. The token goes
+only to agents verified by TLS or on loopback; clear text to another host needs --insecure. An endpoint may list several
 agents (a,b,c); a context also remembers every member an agent reported, so any live agent
 answers. Data goes to stdout, diagnostics to stderr. See docs/ultractl.md.
 `plan` shows the live plan with the planner's predictions; `--world`/`--memory`/`--free` ask
@@ -66,6 +67,7 @@ def _env_defaults(env: Mapping[str, str]) -> dict[str, Any]:
             "tls_ca": env.get("ULTRA_TLS_CA") or None,
             "tls_cert": env.get("ULTRA_TLS_CERT") or None,
             "tls_key": env.get("ULTRA_TLS_KEY") or None,
+            "insecure": env.get("ULTRA_INSECURE", "").lower() in ("1", "true", "yes", "on"),
             "context": env.get("ULTRA_CONTEXT", ""),
             "config": str(config_path(env)),
             "output": output, "timeout": timeout}
@@ -98,6 +100,9 @@ def _global_flags(p: argparse.ArgumentParser, defaults: Mapping[str, Any] | None
         (("--tls-cert",), {"metavar": "FILE",
                            "help": "client certificate (PEM) for agents that require one"}),
         (("--tls-key",), {"metavar": "FILE", "help": "the client certificate's key (PEM)"}),
+        (("--insecure",), {"action": "store_true",
+                           "help": "send the token in clear text to non-loopback endpoints "
+                                   "named without TLS (never to discovered ones)"}),
         (("--context",), {"help": "context in the config file"}),
         (("--config",), {"metavar": "FILE", "help": "ultractl's config file"}),
         (("-o", "--output"), {"choices": _OUTPUTS, "help": "output format"}),
@@ -159,7 +164,7 @@ def _connect(args: argparse.Namespace) -> tuple[Agents, tuple[tuple[str, str], .
     try:
         target = resolve_target(args.endpoint, args.token_file,
                                 TLSFiles(args.tls_ca, args.tls_cert, args.tls_key),
-                                args.context, Path(args.config))
+                                args.context, Path(args.config), args.insecure)
     except TargetError as exc:
         raise CtlError(str(exc), EXIT_USAGE) from None
     agents = Agents(target, args.timeout)

@@ -9,7 +9,8 @@
 Every flag falls back to an `ULTRA_<FLAG>` environment variable (e.g. ULTRA_NODE_ID), then to
 the TOML file given by --config (keys as the flags, with underscores), then to its default.
 Exit codes: 0 clean stop, 1 failure, 2 usage. SIGTERM drains a running job first (leave at a
-step boundary after a checkpoint); SIGINT, or a second SIGTERM, stops at once (docs/systemd.md).
+step boundary after a checkpoint); SIGINT, or a second SIGTERM, stops at once; SIGHUP is logged
+and ignored (docs/systemd.md).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from daemon.control.etcd_client import parse_endpoints
 from daemon.control.job_submit import read_job_file
 from daemon.control.keys import check_name
 from daemon.procutil import arm_parent_death
+from daemon.secret_files import read_secret
 from daemon.tls_files import read_pem
 from parallel import bounded_toml
 
@@ -168,6 +170,10 @@ def build_config(opts: dict[str, Any]) -> Any:
                          "address or name peers can reach")
     if bool(opts["tls_cert"]) != bool(opts["tls_key"]):
         raise UsageError("--tls-cert and --tls-key go together")
+    if opts["tls_ca"] and not opts["tls_cert"]:
+        # Without a certificate the listener is plain text: the CA would require nothing.
+        raise UsageError("--tls-ca needs --tls-cert and --tls-key (it makes the TLS listener "
+                         "require client certificates; alone it would leave it plain text)")
     state_dir = Path(opts["state_dir"]).expanduser()
     allowed_paths = tuple(Path(p).expanduser().absolute() for p in opts["allowed_paths"])
     job_roots = allowed_paths or (state_dir,)
@@ -180,6 +186,10 @@ def build_config(opts: dict[str, Any]) -> Any:
             if opts[flag]:
                 read_pem(Path(opts[flag]), f"--{flag.replace('_', '-')}")
         etcd_security = _etcd_security(opts)
+        token_file = Path(opts["token_file"]).expanduser() if opts["token_file"] else None
+        if token_file is not None and token_file.exists():
+            # Owner and mode now, as a usage error; a missing file is reported at start.
+            read_secret(token_file, "--token-file", os.geteuid())
         check_listen(opts["listen"], tls=tls is not None, insecure=opts["insecure"])
         # /metrics serves no secret and takes no input, so Prometheus on another host may
         # scrape it without --insecure (which would also allow a clear-text gRPC listener).

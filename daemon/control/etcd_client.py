@@ -1,10 +1,13 @@
 """The agent's etcd v3 client: aetcd for unary calls, aetcd's generated stubs for streams.
 
-The gRPC channel is opened here, not by aetcd (aetcd 1.0 dials only in plain text): TLS when
+The gRPC channels are opened here, not by aetcd (aetcd 1.0 dials only in plain text): TLS when
 the endpoints are https:// or TLS files are given (etcd_security.py), and with etcd's
 user/password auth, the token from Auth.Authenticate travels as `token` metadata on every
 call. etcd forgets simple tokens when it restarts and after `--auth-token-ttl` idle, so a call
 refused for its token re-authenticates once and is retried.
+
+Calls go to one etcd member at a time, over one channel per member that is dialled by its own
+name (etcd_members.py: DNS names, TLS per member, failover, warnings).
 
 Two streams are ours rather than aetcd's: aetcd's `Lease.refresh()` opens a new gRPC stream per
 keepalive (measured here: it doubles CPU on both sides at 512 agents), so `KeepAlive`
@@ -30,6 +33,7 @@ from aetcd import rpc
 from aetcd.exceptions import ClientError
 from aetcd.rpc import rpc_pb2
 
+from daemon.control.etcd_members import EtcdUnreachable, MemberClient, endpoints_of
 from daemon.control.etcd_security import EtcdSecurity
 
 # Anything that means "etcd did not answer": callers retry these with backoff.
@@ -90,74 +94,16 @@ def is_token_error(exc: BaseException) -> bool:
     return any(marker in (text or "") for marker in _TOKEN_ERRORS)
 
 
-class _Client(aetcd.Client):
-    """aetcd's calls over a channel opened here (TLS or not) and with etcd's auth token."""
-
-    def __init__(self, target: str, credentials: grpc.ChannelCredentials | None, user: str,
-                 password: str, timeout: float, options: dict[str, Any]) -> None:
-        super().__init__(host=target, timeout=timeout, options=options)  # type: ignore[arg-type]
-        self._target = target
-        self._credentials = credentials
-        self._user = user
-        self._password = password
-        self._lock = asyncio.Lock()
-
-    @property
-    def authenticates(self) -> bool:
-        return bool(self._user)
-
-    async def connect(self) -> None:
-        if self._connected.is_set():
-            return
-        async with self._lock:
-            if self._connected.is_set():
-                return
-            options = list(self._options.items())
-            channel = (grpc.aio.secure_channel(self._target, self._credentials, options)
-                       if self._credentials is not None
-                       else grpc.aio.insecure_channel(self._target, options))
-            self.channel = channel
-            self.kvstub = rpc.KVStub(channel)
-            self.clusterstub = rpc.ClusterStub(channel)
-            self.leasestub = rpc.LeaseStub(channel)
-            self.maintenancestub = rpc.MaintenanceStub(channel)
-            try:
-                if self._user:
-                    await self._authenticate()
-            except BaseException:
-                await channel.close()
-                self._init_channel_attrs()
-                raise
-            self._connected.set()
-
-    async def _authenticate(self) -> None:
-        resp = await rpc.AuthStub(self.channel).Authenticate(
-            rpc.AuthenticateRequest(name=self._user, password=self._password),
-            timeout=self._timeout)
-        self.metadata = (("token", resp.token),)
-
-    async def reauthenticate(self, stale: Any) -> None:
-        """A fresh token, unless another task already replaced `stale`."""
-        async with self._lock:
-            if self._user and self.channel is not None and self.metadata == stale:
-                await self._authenticate()
-                log.info("etcd refused the auth token (restart or expiry); re-authenticated "
-                         "as %s", self._user)
 
 
 class Etcd:
-    """One channel to the etcd cluster; every call has a deadline of `timeout` seconds."""
+    """The etcd cluster, one member at a time; every call has a deadline of `timeout` seconds."""
 
     def __init__(self, endpoints: str | Sequence[str], timeout: float = 2.0,
                  security: EtcdSecurity | None = None) -> None:
         hosts = parse_endpoints(endpoints)
         security = security or EtcdSecurity()
         tls = security.uses_tls(endpoints)
-        # gRPC's ipv4:/dns: targets list several addresses, so the channel fails over between
-        # etcd members by itself (pick_first).
-        head = ",".join(f"{h}:{p}" for h, p in hosts[:-1])
-        last_host, last_port = hosts[-1]
-        target = f"ipv4:{head},{last_host}:{last_port}" if head else f"{last_host}:{last_port}"
         options: dict[str, Any] = {
             # etcd answers pings more often than every 5 s (--grpc-keepalive-min-time) with
             # GOAWAY too_many_pings, dropping a connection that only holds a watch.
@@ -166,19 +112,19 @@ class Etcd:
             "grpc.initial_reconnect_backoff_ms": 100,
             "grpc.max_reconnect_backoff_ms": 1000,
         }
-        if tls and head:
-            # One channel verifies every member against one name: the first endpoint's host
-            # (an address list has no host name of its own). docs/security.md.
-            options["grpc.ssl_target_name_override"] = hosts[0][0]
         self.endpoints = hosts
         self.timeout = timeout
         self.tls = tls
-        self.client = _Client(target, security.credentials() if tls else None, security.user,
-                              security.password(), timeout, options)
+        self.client = MemberClient(endpoints_of(hosts, tls), security.credentials() if tls else None,
+                              security.user, security.password(), timeout, options)
         self.tx = self.client.transactions
 
     async def connect(self) -> None:
-        await self.client.connect()
+        """Start on a member that answers, else carry on without one: each member that did not
+        answer is logged, and every call connects again (an agent starts while etcd is down).
+        A member that answers but refuses (a wrong password) raises."""
+        with contextlib.suppress(EtcdUnreachable):
+            await self.client.connect()
 
     async def close(self) -> None:
         await self.client.close()
@@ -193,17 +139,24 @@ class Etcd:
 
     async def _authed(self, call: Callable[[], Awaitable[T]]) -> T:
         """`call()`, retried once with a fresh token when etcd refused the one it carried."""
-        stale = self.client.metadata
+        await self.client.connect()
+        stale, channel = self.client.metadata, self.client.channel
         try:
-            return await call()
+            result = await call()
         except ETCD_ERRORS as exc:
+            self.client.on_result(channel, exc)
             if not (self.client.authenticates and is_token_error(exc)):
                 raise
+        else:
+            self.client.on_result(channel, None)
+            return result
         await self.client.reauthenticate(stale)
         return await call()
 
-    async def _on_stream_error(self, exc: BaseException, stale: Any) -> None:
-        """A stream refused for its token: get a new one for the caller's next attempt."""
+    async def _on_stream_error(self, exc: BaseException, stale: Any, channel: Any) -> None:
+        """A stream refused for its token: get a new one for the caller's next attempt; one
+        whose member stopped answering: the next attempt goes to the next member."""
+        self.client.on_result(channel, exc)
         if self.client.authenticates and (is_token_error(exc) or "permission denied" in str(exc)):
             with contextlib.suppress(*ETCD_ERRORS):
                 await self.client.reauthenticate(stale)
@@ -218,7 +171,7 @@ class Etcd:
         request = rpc.RangeRequest(key=prefix, range_end=aetcd.utils.prefix_range_end(prefix))
 
         async def call() -> Any:
-            await self.connect()
+            await self.client.connect()
             return await rpc.KVStub(self.channel).Range(request, timeout=self.timeout,
                                                         metadata=self.metadata)
         resp = await self._authed(call)
@@ -250,7 +203,7 @@ class Etcd:
         empty response whose header revision is current) only once the watcher has caught up
         with history, which is how a reader of history knows it has seen all of it.
         """
-        await self.connect()
+        await self.client.connect()
         create = rpc.WatchCreateRequest(key=key, start_revision=start_revision, prev_kv=True)
         if prefix:
             create.range_end = aetcd.utils.prefix_range_end(key)
@@ -263,8 +216,8 @@ class Etcd:
                 yield rpc.WatchRequest(progress_request=rpc_pb2.WatchProgressRequest())
             await stop.wait()
 
-        stale = self.metadata
-        call = rpc.WatchStub(self.channel).Watch(requests(), metadata=stale)
+        stale, channel = self.metadata, self.channel
+        call = rpc.WatchStub(channel).Watch(requests(), metadata=stale)
         try:
             async for resp in call:
                 if resp.compact_revision:
@@ -273,7 +226,7 @@ class Etcd:
                     raise ConnectionError(f"etcd cancelled the watch: {resp.cancel_reason}")
                 yield resp
         except ETCD_ERRORS as exc:
-            await self._on_stream_error(exc, stale)
+            await self._on_stream_error(exc, stale, channel)
             raise
         finally:
             stop.set()
@@ -311,8 +264,9 @@ class KeepAlive:
                 yield rpc.LeaseKeepAliveRequest(ID=self.lease_id)
                 await asyncio.sleep(interval)
 
-        stale = self.etcd.metadata
-        call = rpc.LeaseStub(self.etcd.channel).LeaseKeepAlive(requests(), metadata=stale)
+        await self.etcd.client.connect()
+        stale, channel = self.etcd.metadata, self.etcd.channel
+        call = rpc.LeaseStub(channel).LeaseKeepAlive(requests(), metadata=stale)
         try:
             async for resp in call:
                 at = sent.popleft() if sent else time.monotonic() - interval
@@ -321,7 +275,7 @@ class KeepAlive:
                     return
                 self.deadline = max(self.deadline, at + self.ttl)
         except ETCD_ERRORS as exc:
-            await self.etcd._on_stream_error(exc, stale)
+            await self.etcd._on_stream_error(exc, stale, channel)
             raise
         finally:
             call.cancel()

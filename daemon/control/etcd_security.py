@@ -10,6 +10,7 @@ scheme follows etcdctl: TLS when TLS files are given.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -71,6 +72,6 @@ class EtcdSecurity:
         if self.password_file is None:
             return ""
         try:
-            return read_secret(self.password_file, "--etcd-password-file")
+            return read_secret(self.password_file, "--etcd-password-file", os.geteuid())
         except SecretFileError as exc:
             raise EtcdSecurityError(str(exc)) from None

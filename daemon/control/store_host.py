@@ -9,12 +9,18 @@ Both the import and the store's start run in daemon threads, not in asyncio's de
 `asyncio.run` joins the executor's threads when the loop closes, so an agent told to stop
 while torch was still importing (tens of seconds with many agents starting on one machine)
 stayed alive, silent, until the import ended, and systemd or Kubernetes then SIGKILLed it.
+
+c10d's TCPStore server listens on every interface, whatever host it is given; anyone who
+reaches it reads and writes the rendezvous keys. So the agent binds the listening socket
+itself, to the address it advertises (the one workers are told to dial), and hands it to the
+store (`master_listen_fd`): with `--listen 127.0.0.1` the store is on loopback only.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import socket
 import threading
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -72,10 +78,36 @@ class StoreHost:
     def _start(self) -> Any:
         from torch.distributed import TCPStore
 
-        return TCPStore(self.host, 0, is_master=True, wait_for_workers=False)
+        listener = bound_listener(self.host)
+        try:
+            port = listener.getsockname()[1]
+            store = TCPStore(self.host, port, is_master=True, wait_for_workers=False,
+                             master_listen_fd=listener.fileno())
+        except BaseException:
+            listener.close()
+            raise
+        listener.detach()  # the store's server owns the descriptor now, and closes it
+        return store
 
     def close(self) -> None:
         self._stores.clear()
+
+
+def bound_listener(host: str) -> socket.socket:
+    """A listening TCP socket on `host` (an address or a name, resolved here) and a free port."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(
+            host, 0, type=socket.SOCK_STREAM)[0]
+    except socket.gaierror as exc:
+        raise OSError(f"store host {host!r}: {exc.strerror}") from None
+    listener = socket.socket(family, kind, proto)
+    try:
+        listener.bind(address)
+        listener.listen(socket.SOMAXCONN)
+    except BaseException:
+        listener.close()
+        raise
+    return listener
 
 
 def _import_torch_distributed() -> None:

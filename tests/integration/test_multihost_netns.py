@@ -23,14 +23,14 @@ import signal
 import subprocess
 import sys
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import grpc
 import pytest
 
-from daemon.control.etcd_server import EtcdServer
+from daemon.control.etcd_server import EtcdServer, EtcdServerTLS
 from daemon.procutil import parent_death_env, terminate
 from proto.ultrascale.v1 import agent_pb2 as pb
 from proto.ultrascale.v1 import agent_pb2_grpc as pb_grpc
@@ -39,6 +39,7 @@ from tests.chaos.replay import compare, replay, segments
 from tests.chaos.runner import committed, consistency_problems, generation_history, read_lines
 from tests.conftest import REPO, small_job_text
 from tests.integration.conftest import wait_until
+from tests.pki import make_ca
 from tests.processes import worker_pids
 
 pytestmark = pytest.mark.integration
@@ -110,8 +111,9 @@ class NetnsCluster:
     etcd: EtcdServer
     certs: Path
     agents: dict[str, HostAgent]
+    etcd_args: list[str] = field(default_factory=list)  # default: --etcd <etcd.endpoint>
 
-    def start(self, node: str) -> HostAgent:
+    def start(self, node: str, *extra: str) -> HostAgent:
         host = self.hosts[node]
         state = self.root / node
         state.mkdir(parents=True)
@@ -120,11 +122,12 @@ class NetnsCluster:
         # The production command line, less nothing: no --insecure, no --advertise-host, no
         # shared --token-file.
         args = ["ip", "netns", "exec", host.netns, sys.executable, "-m", "daemon.cli.ultrad",
-                "--etcd", self.etcd.endpoint, "--node-id", node, "--devices", "1",
+                *(self.etcd_args or ["--etcd", self.etcd.endpoint]), "--node-id", node,
+                "--devices", "1",
                 "--listen", f"0.0.0.0:{PORT}", "--metrics-listen", "127.0.0.1:9400",
                 "--state-dir", str(state), "--tls-cert", str(self.certs / f"{node}.pem"),
                 "--tls-key", str(self.certs / f"{node}.key"),
-                "--tls-ca", str(self.certs / "ca.pem"), "--job", "netns"]
+                "--tls-ca", str(self.certs / "ca.pem"), "--job", "netns", *extra]
         with (state / "ultrad.log").open("ab") as log:
             proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT,
                                     stdin=subprocess.DEVNULL, cwd=REPO, env=env)
@@ -286,3 +289,66 @@ def test_three_hosts_mtls_own_tokens_kill_rank0_host(netns_cluster: NetnsCluster
     result = replay(job, segments(lines), tmp_path / "replay")
     diff = compare(committed(lines), result, rtol=1e-6)
     assert diff.mismatches == [], diff.mismatches
+
+
+# -- etcd by the DaemonSet's names -------------------------------------------------------------
+
+K8S_NAMESPACE = "ultrascale"
+ETCD_NAMES = [f"etcd-{i}.etcd.{K8S_NAMESPACE}.svc" for i in range(3)]
+
+
+@pytest.fixture
+def named_etcd_cluster(tmp_path: Path) -> Iterator[NetnsCluster]:
+    """Two hosts that reach etcd as the DaemonSet does: `https://etcd-N.etcd.<ns>.svc`, names
+    that resolve in each host's namespace (its own /etc/hosts). etcd-0 is a member that is
+    down (its name resolves to the host itself, where nothing listens on etcd's port); the
+    other two names lead to the running etcd, whose certificate carries all three names."""
+    reason = netns.unavailable()
+    if reason:
+        pytest.skip(reason)
+    if shutil.which("openssl") is None:
+        pytest.skip("the `openssl` command is not installed (certificates for TLS)")
+    nodes = ["node-0", "node-1"]
+    with netns.Hosts(nodes) as hosts:
+        certs = make_certs(tmp_path / "certs", {**{n: hosts[n].address for n in nodes},
+                                                "operator": ""})
+        ca = make_ca(tmp_path / "etcd-ca", "etcd")
+        # The bridge address too: the test's own health check dials it.
+        server = ca.issue("etcd-server", san=",".join(
+            [*(f"DNS:{n}" for n in ETCD_NAMES), f"IP:{hosts.bridge_address}"]))
+        client = ca.issue("etcd-client")
+        etcd = EtcdServer(tmp_path / "etcd", host=hosts.bridge_address,
+                          tls=EtcdServerTLS(server.cert, server.key, ca.cert)).start()
+        for node in nodes:
+            hosts.resolve(node, {ETCD_NAMES[0]: hosts[node].address,
+                                 **dict.fromkeys(ETCD_NAMES[1:], hosts.bridge_address)})
+        endpoints = ",".join(f"https://{n}:{etcd.client_port}" for n in ETCD_NAMES)
+        etcd_args = ["--etcd", endpoints, "--etcd-ca", str(ca.cert), "--etcd-cert",
+                     str(client.cert), "--etcd-key", str(client.key)]
+        cluster = NetnsCluster(tmp_path, hosts, etcd, certs, {}, etcd_args)
+        try:
+            yield cluster
+        finally:
+            cluster.stop()
+
+
+def test_agents_join_through_the_daemonsets_etcd_names(
+        named_etcd_cluster: NetnsCluster) -> None:
+    c = named_etcd_cluster
+    for node in ("node-0", "node-1"):
+        c.start(node, "--no-workers")
+    expected = {n: c.agents[n].address for n in ("node-0", "node-1")}
+
+    def members(node: str) -> dict[str, str]:
+        return {n.node: n.address for n in c.call(node, "ListNodes", pb.ListNodesRequest()).nodes}
+    try:
+        for node in expected:
+            wait_until(lambda: members(node) == expected, 60,  # noqa: B023 - called at once
+                       f"{node} to see both agents, registered through etcd's DNS names")
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}\n{c.logs()}") from None
+    # The member that is down was tried, and said so with its name and gRPC's reason.
+    dead = f"https://{ETCD_NAMES[0]}:{c.etcd.client_port}"
+    for agent in c.agents.values():
+        warned = [line for line in agent.log.splitlines() if " WARNING " in line and dead in line]
+        assert warned and "refused" in warned[0].lower(), agent.log[-3000:]

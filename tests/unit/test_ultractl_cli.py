@@ -108,13 +108,15 @@ def config(tmp_path: Path) -> Path:
 
 def test_the_flag_or_environment_wins_over_the_context_per_field(config: Path) -> None:
     token = str(config.parent.parent / "flag-token")
-    assert resolve_target(None, None, TLSFiles(), "", config) == Target(
+    # Clear text to 10.x: the operator said --insecure (without it, see the next test).
+    assert resolve_target(None, None, TLSFiles(), "", config, insecure=True) == Target(
         ("10.0.0.1:7400",), "ctx-secret", None, "prod", config)
     # An endpoint from the flag: the context's token still applies, and nothing is discovered
     # into a context the endpoints did not come from.
-    assert resolve_target("10.9.9.9:1", None, TLSFiles(), "", config) == Target(
+    assert resolve_target("10.9.9.9:1", None, TLSFiles(), "", config, insecure=True) == Target(
         ("10.9.9.9:1",), "ctx-secret", None, "", config)
-    assert resolve_target(None, token, TLSFiles(), "", config).token == "flag-secret"
+    assert resolve_target(None, token, TLSFiles(), "", config,
+                          insecure=True).token == "flag-secret"
     with pytest.raises(TargetError, match="--context: no context 'staging'"):
         resolve_target("10.9.9.9:1", token, TLSFiles(), "staging", config)
     with pytest.raises(TargetError, match="--token-file /nope"):
@@ -123,11 +125,26 @@ def test_the_flag_or_environment_wins_over_the_context_per_field(config: Path) -
         resolve_target(None, None, TLSFiles(), "", config.parent / "missing")
 
 
+def test_clear_text_beyond_loopback_needs_insecure(config: Path) -> None:
+    with pytest.raises(TargetError, match="10.0.0.1:7400 is not a loopback .*--insecure"):
+        resolve_target(None, None, TLSFiles(), "", config)
+    assert resolve_target("127.0.0.1:1,[::1]:2,localhost:3", None, TLSFiles(), "",
+                          config).endpoints == ("127.0.0.1:1", "[::1]:2", "localhost:3")
+
+
 def test_a_context_offers_its_seeds_then_the_discovered_members(config: Path) -> None:
-    assert ctlconfig.save_discovered(config, "prod", ["10.0.0.2:7400", "10.0.0.1:7400"])
-    assert not ctlconfig.save_discovered(config, "prod", ["10.0.0.1:7400", "10.0.0.2:7400"])
-    target = resolve_target(None, None, TLSFiles(), "", config)
-    assert target.endpoints == ("10.0.0.1:7400", "10.0.0.2:7400")
+    assert ctlconfig.save_discovered(config, "prod", ["10.0.0.2:7400", "10.0.0.1:7400",
+                                                      "127.0.0.1:7402"])
+    assert not ctlconfig.save_discovered(config, "prod", ["10.0.0.1:7400", "10.0.0.2:7400",
+                                                          "127.0.0.1:7402"])
+    ca = config.parent.parent / "ca.pem"
+    ca.write_text("-----BEGIN CERTIFICATE-----\nnot read here\n-----END CERTIFICATE-----\n")
+    target = resolve_target(None, None, TLSFiles(str(ca)), "", config)
+    assert target.endpoints == ("10.0.0.1:7400", "10.0.0.2:7400", "127.0.0.1:7402")
+    # Without TLS, a discovered member on another host is never offered the token, even
+    # under --insecure (a node record is not the operator's word); loopback ones are.
+    target = resolve_target(None, None, TLSFiles(), "", config, insecure=True)
+    assert target.endpoints == ("10.0.0.1:7400", "127.0.0.1:7402")
     # A new endpoint means another cluster: what was discovered through the old one goes.
     ctlconfig.set_context(config, "prod", {"endpoint": "10.1.0.1:7400"})
     assert ctlconfig.load_context(config).discovered == ()
