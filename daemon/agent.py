@@ -28,6 +28,7 @@ from daemon.control.leader import Leader
 from daemon.control.leader_failover import revoke_dead_leader
 from daemon.control.membership import Membership
 from daemon.control.outage import outage_check, publish_etcd_health
+from daemon.control.peer_key import PeerKeys
 from daemon.control.records import (
     ControlOp,
     ControlRequest,
@@ -82,9 +83,11 @@ class Agent(WorkerReports):
         # The newest generation a local worker failed in: it is broken, never hand it out again.
         self.broken_generation = 0
         self._leader_checked = 0  # the newest generation a failure made us check the leader in
+        self.peer_keys = PeerKeys(self.etcd, self.keys, self.view)
         self.snapshots = SnapshotKeeper.for_agent(config, self.view, self.etcd, self.keys,
                                                   self.io.put_snapshot_file, self._lease,
-                                                  self.metrics.observe_snapshots)
+                                                  self.metrics.observe_snapshots,
+                                                  self.peer_keys.current)
         self.read_peer_snapshot = self.io.read_snapshot
 
     # -- lifecycle -----------------------------------------------------------------------------
@@ -119,6 +122,7 @@ class Agent(WorkerReports):
             # without workers (control plane only) import it when they first lead.
             spawn(StoreHost.preload(), "preload-torch", long_lived=False)
         spawn(self.view.run(), "view")
+        spawn(self.peer_keys.run(), "peer-key")
         spawn(self.membership.run(), "membership")
         spawn(self._leadership(), "leadership")
         spawn(self._follower(), "follower")

@@ -26,11 +26,14 @@ log = logging.getLogger(__name__)
 # send(address, header, pieces): one file to a peer, returning once the peer kept it
 # (SnapshotPeer.Replicate, daemon/api/replication_streams.py).
 Send = Callable[[str, Incoming, AsyncIterator[bytes]], Awaitable[None]]
+# sign(header): the header as this node sends it, signed; None while it cannot sign (no job,
+# or the submission's peer key is not here yet).
+Sign = Callable[[Incoming], Incoming | None]
 
 
 class Replicator:
-    def __init__(self, node: str, view: ClusterView, send: Send) -> None:
-        self.node, self.view, self.send = node, view, send
+    def __init__(self, node: str, view: ClusterView, send: Send, sign: Sign) -> None:
+        self.node, self.view, self.send, self.sign = node, view, send, sign
         # (step, file) -> {node: the chunk checksums of the copy it acknowledged}: a step
         # trained again after a restore is new content under the same name, and goes again.
         self.sent: dict[tuple[int, str], dict[str, tuple[int, ...] | None]] = {}
@@ -56,6 +59,12 @@ class Replicator:
         this node wrote it, the `manifest` to every member; then note whether this node's part
         of the step is replicated: every shard of its ranks, and the manifest where rank 0 runs."""
         plan = self.view.plan
+        if plan is not None and step > plan.restore.step and self.run.generation != \
+                plan.generation:
+            # A step newer than the one this generation restores, while this node's workers
+            # have not restored yet: the replaced history's, which their restore frees.
+            self.retry = True
+            return
         buddy = buddy_of(self.node, plan.nodes, self.view.nodes) if plan is not None else None
         done = set()
         for entry in shards:
@@ -100,9 +109,12 @@ class Replicator:
         if done.get(node) == entry.chunks:
             return True
         member = self.view.nodes.get(node)
-        header = Incoming(step, entry.path, entry.size, entry.chunks, entry.rank)
         if member is None or size_of(directory / entry.path) != entry.size:
             return False  # gone, or the file was freed meanwhile
+        header = self.sign(Incoming(step, entry.path, entry.size, entry.chunks, entry.rank))
+        if header is None:
+            self.retry = True
+            return False
         try:
             await self.send(member.record.address, header, file_pieces(directory / entry.path))
         except Exception as exc:  # noqa: BLE001 - a peer's failure must not end the keeper

@@ -10,23 +10,22 @@ import shutil
 import tempfile
 from collections.abc import AsyncIterator
 from pathlib import Path
-from types import SimpleNamespace
 
 import grpc
 import pytest
 
-from checkpoint.snapshot_format import CHUNK_BYTES, chunk_checksums, shard_name, step_dir
+from checkpoint.snapshot_format import CHUNK_BYTES, shard_name, step_dir
 from daemon.api.auth import BearerTokenInterceptor
 from daemon.api.replication_streams import CopyRefused, ReplicationStreams
 from daemon.api.snapshot_service import SnapshotPeerService
 from daemon.node.snapshot_files import PIECE_BYTES, Incoming
-from daemon.node.snapshot_keeper import SnapshotKeeper
 from proto.ultrascale.v1 import agent_pb2 as pb
 from proto.ultrascale.v1 import agent_pb2_grpc as pb_grpc
+from tests.unit.test_snapshot_keeper import KEY, REV, keeper, signed
 
 pytestmark = pytest.mark.unit
 
-SECRET = "s3cret"
+SECRET = KEY.secret
 
 
 @pytest.fixture
@@ -40,9 +39,7 @@ class Peer:
     """A receiving agent's listener: the SnapshotPeer service behind the peer-secret check."""
 
     def __init__(self, root: Path) -> None:
-        view = SimpleNamespace(snapshots={}, nodes={}, plan=None)
-        self.keeper = SnapshotKeeper(root, "b", "", view, None, None, None,  # type: ignore[arg-type]
-                                     lambda: 0)
+        self.keeper = keeper(root)  # b: it keeps a's copies
         self.server: grpc.aio.Server | None = None
         self.port = 0
 
@@ -92,9 +89,9 @@ async def pieces(data: bytes) -> AsyncIterator[bytes]:
         yield data[start:start + PIECE_BYTES]
 
 
-def shard(step: int, rank: int, data: bytes, chunks: tuple[int, ...] | None = None) -> Incoming:
-    return Incoming(step, shard_name(rank), len(data),
-                    chunk_checksums(data) if chunks is None else chunks, rank)
+def shard(step: int, rank: int, data: bytes) -> Incoming:
+    """a's copy of its rank's shard, signed."""
+    return signed(step, shard_name(rank), data, rank)
 
 
 def payload(n: int, seed: int) -> bytes:
@@ -145,7 +142,8 @@ def test_a_stream_cut_inside_a_file_keeps_nothing_of_it(root):
             header = shard(6, 0, data)
             await call.write(pb.FileChunk(step=6, file=header.file, size=header.size,
                                           chunks=header.chunks, chunk_bytes=CHUNK_BYTES, rank=0,
-                                          data=data[:PIECE_BYTES]))
+                                          sender="a", spec_revision=REV, generation=1,
+                                          mac=header.mac, data=data[:PIECE_BYTES]))
             await call.done_writing()
             with pytest.raises(grpc.aio.AioRpcError) as failed:
                 await call.read()
