@@ -14,21 +14,17 @@ from types import SimpleNamespace
 import grpc
 
 from daemon.api.auth import BearerTokenInterceptor
+from daemon.api.grpc_limits import MESSAGE_OPTIONS
 from daemon.api.snapshot_service import SnapshotPeerService
+from daemon.control.peer_key import PeerKey
 from daemon.control.records import Progress
 from daemon.node.snapshot_keeper import SnapshotKeeper
 from parallel import job as jobmod
 from parallel.planner import MemoryBytes, NodeInfo, Predicted, plan_generation
 from proto.ultrascale.v1 import agent_pb2_grpc as pb_grpc
 
-try:
-    from daemon.api.grpc_limits import MESSAGE_OPTIONS
-    from daemon.control.peer_key import PeerKey
-except ImportError:  # the code before the fix
-    MESSAGE_OPTIONS, PeerKey = (), None  # type: ignore[assignment,misc]
-
 REPO = Path(__file__).resolve().parents[2]
-SECRET, REV, GEN = "peer-secret-of-the-test", 5, 2
+SECRET, REV, GEN = "the-peer-key-of-the-memory-test-submission", 5, 2
 
 
 def peer_view(state_bytes: int) -> SimpleNamespace:
@@ -44,9 +40,8 @@ def peer_view(state_bytes: int) -> SimpleNamespace:
 
 
 async def serve(root: Path, port_file: Path, state_bytes: int) -> None:
-    extra = {"peer_key": lambda: PeerKey(REV, SECRET)} if PeerKey is not None else {}
     keeper = SnapshotKeeper(root, "b", "", peer_view(state_bytes), None, None,  # type: ignore[arg-type]
-                            None, lambda: 0, **extra)
+                            None, lambda: 0, peer_key=lambda: PeerKey(REV, SECRET))
     keeper.restored(GEN, 0)
     server = grpc.aio.server(interceptors=[BearerTokenInterceptor("admin", lambda: SECRET)],
                              options=MESSAGE_OPTIONS)

@@ -1,13 +1,13 @@
 """A forged snapshot step delivered to an agent is never kept, never planned and never run
 (docs/snapshots.md, "Who is accepted").
 
-An attacker reads etcd (here with no RBAC at all: it finds the peer key wherever it is, the
-strongest case, as if it held the agents' own etcd credentials), and streams a step 99999999 to
-a member over SnapshotPeer.Replicate: a `.metadata` whose pickle would create a marker file when
-a worker restores it, a manifest, and a shard per rank, each signed as the node the plan says
-trains that rank. Then a member is killed, so the leader plans a restore. Real etcd, agents,
-workers and shared memory; the committed losses are compared with an uninterrupted
-single-process run.
+The job prefix observers read holds no peer key. An attacker who reads etcd anyway (here with no
+RBAC at all: it finds the key under /ultrascale-private/, the strongest case, as if it held the
+agents' own etcd credentials) streams a step 99999999 to a member over SnapshotPeer.Replicate:
+a `.metadata` whose pickle would create a marker file when a worker restores it, a manifest, and
+a shard per rank, each signed as the node the plan says writes it. Then a member is killed, so
+the leader plans a restore. Real etcd, agents, workers and shared memory; the committed losses
+are compared with an uninterrupted single-process run.
 """
 
 from __future__ import annotations
@@ -32,8 +32,11 @@ from checkpoint.snapshot_format import (
 )
 from daemon.cli.local import LocalCluster, _call
 from daemon.control.keys import Keys
+from daemon.control.peer_key import PeerKey
 from daemon.control.records import NodeRecord, SnapshotHoldings
 from daemon.control.snapshot_steps import buddy_of
+from daemon.node.copy_admission import sign
+from daemon.node.snapshot_files import Incoming
 from parallel.planner import Plan
 from proto.ultrascale.v1 import agent_pb2 as pb
 from proto.ultrascale.v1 import agent_pb2_grpc as pb_grpc
@@ -43,13 +46,6 @@ from tests.integration.conftest import etcd_call, wait_until
 from tests.integration.test_snapshot_recovery import restore_events
 from tests.integration.test_training_recovery import committed_steps
 from tests.processes import running
-
-try:
-    from daemon.control.peer_key import PeerKey
-    from daemon.node.copy_admission import sign
-    from daemon.node.snapshot_files import Incoming
-except ImportError:  # the code before the fix: the secret was a plain job key, nothing signed
-    PeerKey = sign = None  # type: ignore[assignment,misc]
 
 pytestmark = pytest.mark.integration
 STEPS, BATCH, ATTACK_AFTER, EVERY = 20, 10, 6, 6
@@ -66,33 +62,25 @@ class _Marker:
         return (open, (self.path, "w"))
 
 
-def steal(endpoint: str, ns: str) -> tuple[Plan, dict[str, str], str, object]:
-    """What the attacker reads from etcd: the running plan, the members' addresses, the peer
-    secret (wherever it is readable) and the key to sign copies with (None: nothing signs)."""
+def steal(endpoint: str, ns: str) -> tuple[Plan, dict[str, str], PeerKey]:
+    """What the attacker reads from etcd: the running plan, the members' addresses and the
+    peer key; the job prefix, which observers may read, must not hold the key."""
     keys = Keys(ns)
 
     async def read(etcd) -> tuple[list, object, object]:
-        kvs, _ = await etcd.get_prefix(keys.prefix)
-        private = await etcd.get(b"/ultrascale-private/" + ns.encode() + b"/peer_key")
-        return kvs, private, await etcd.get(keys.generation)
+        kvs, _ = await etcd.get_prefix(b"/ultrascale/")
+        return kvs, await etcd.get(keys.peer_key), await etcd.get(keys.generation)
 
     kvs, private, generation = etcd_call(endpoint, read)
-    plan = Plan.from_json(generation.value)
+    key = PeerKey.from_json(private.value)
+    assert not [kv.key for kv in kvs if key.secret.encode() in kv.value], \
+        "the peer key is readable under /ultrascale/"
     addresses = {}
-    secret = ""
     for kv in kvs:
-        name = keys.relative(kv.key)
-        if name.startswith("nodes/"):
+        if kv.key.startswith(keys.nodes):
             record = NodeRecord.from_json(kv.value)
             addresses[record.node] = record.address
-        if name == "peer_secret":
-            secret = kv.value.decode()
-    key = None
-    if private is not None and PeerKey is not None:
-        key = PeerKey.from_json(private.value)
-        secret = key.secret
-    assert secret, "no peer secret readable in etcd"
-    return plan, addresses, secret, key
+    return Plan.from_json(generation.value), addresses, key
 
 
 def forged_files(marker: Path, world: int) -> list[tuple[str, int, bytes]]:
@@ -105,26 +93,24 @@ def forged_files(marker: Path, world: int) -> list[tuple[str, int, bytes]]:
     return [(METADATA_NAME, 0, metadata), (MANIFEST_NAME, -1, manifest.to_bytes()), *shards]
 
 
-async def deliver(address: str, secret: str, plan: Plan, key: object,
+async def deliver(address: str, plan: Plan, key: PeerKey,
                   files: list[tuple[str, int, bytes]]) -> list[str]:
     """Stream the files to `address`; the acks' errors, in order ("" for a kept copy)."""
     trainer = {r.global_rank: r.node for r in plan.ranks}
     errors = []
     async with grpc.aio.insecure_channel(address) as channel:
         call = pb_grpc.SnapshotPeerStub(channel).Replicate(
-            metadata=(("authorization", f"Bearer {secret}"),), timeout=30)
+            metadata=(("authorization", f"Bearer {key.secret}"),), timeout=30)
         for name, rank, data in files:
-            message = pb.FileChunk(step=FORGED, file=name, size=len(data),
-                                   chunks=chunk_checksums(data), chunk_bytes=CHUNK_BYTES,
-                                   rank=rank, data=data)
-            if key is not None:
-                header = sign(Incoming(FORGED, name, len(data), chunk_checksums(data), rank,
-                                       sender=trainer[max(rank, 0)],
-                                       spec_revision=key.spec_revision,
-                                       generation=plan.generation), key)
-                message.sender, message.spec_revision = header.sender, header.spec_revision
-                message.generation, message.mac = header.generation, header.mac
-            await call.write(message)
+            # Signed as the node that writes the file: rank 0's for .metadata and the manifest.
+            header = sign(Incoming(FORGED, name, len(data), chunk_checksums(data), rank,
+                                   sender=trainer[max(rank, 0)], spec_revision=key.spec_revision,
+                                   generation=plan.generation), key)
+            await call.write(pb.FileChunk(
+                step=FORGED, file=name, size=len(data), chunks=header.chunks,
+                chunk_bytes=CHUNK_BYTES, rank=rank, sender=header.sender,
+                spec_revision=header.spec_revision, generation=header.generation,
+                mac=header.mac, data=data))
             ack = await call.read()
             errors.append(ack.error)
         await call.done_writing()
@@ -152,13 +138,13 @@ def test_a_forged_step_is_never_kept_planned_or_run(tmp_path: Path, token_file: 
         wait_until(lambda: max(committed_steps(steps_file), default=0) >= ATTACK_AFTER, 120,
                    f"step {ATTACK_AFTER}", 0.05)
 
-        plan, addresses, secret, key = steal(c.etcd.endpoint, c.namespace)
+        plan, addresses, key = steal(c.etcd.endpoint, c.namespace)
         coordinator = next(r.node for r in plan.ranks if r.global_rank == 0)
         target = buddy_of(coordinator, plan.nodes, addresses)
         assert target is not None
-        acks = asyncio.run(deliver(addresses[target], secret, plan, key,
+        acks = asyncio.run(deliver(addresses[target], plan, key,
                                    forged_files(marker, plan.world_size)))
-        held = asyncio.run(held_steps(addresses[target], secret))
+        held = asyncio.run(held_steps(addresses[target], key.secret))
 
         victim = next(n for n in plan.nodes if n not in (coordinator, target))
         c.agents[victim].send_signal(signal.SIGKILL)

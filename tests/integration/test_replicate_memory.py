@@ -19,19 +19,15 @@ import grpc
 import pytest
 
 from checkpoint.snapshot_format import CHUNK_BYTES, checksum, shard_name, step_dir
+from daemon.api.grpc_limits import MESSAGE_OPTIONS
+from daemon.control.peer_key import PeerKey
+from daemon.node.copy_admission import sign
+from daemon.node.snapshot_files import Incoming
 from daemon.procutil import parent_death_env, terminate
 from proto.ultrascale.v1 import agent_pb2 as pb
 from proto.ultrascale.v1 import agent_pb2_grpc as pb_grpc
 from tests.integration.conftest import wait_until
 from tests.integration.replicate_peer import GEN, REV, SECRET
-
-try:
-    from daemon.api.grpc_limits import MESSAGE_OPTIONS
-    from daemon.control.peer_key import PeerKey
-    from daemon.node.copy_admission import sign
-    from daemon.node.snapshot_files import Incoming
-except ImportError:  # the code before the fix
-    MESSAGE_OPTIONS, PeerKey, sign = (), None, None  # type: ignore[assignment,misc]
 
 pytestmark = pytest.mark.integration
 
@@ -66,9 +62,6 @@ def status_kib(pid: int, field: str) -> int:
 
 
 def first_message(step: int, size: int, chunks: tuple[int, ...]) -> pb.FileChunk:
-    if sign is None:
-        return pb.FileChunk(step=step, file=shard_name(0), size=size, chunks=chunks,
-                            chunk_bytes=CHUNK_BYTES, rank=0)
     header = sign(Incoming(step, shard_name(0), size, chunks, 0, sender="a",
                            spec_revision=REV, generation=GEN), PeerKey(REV, SECRET))
     return pb.FileChunk(step=step, file=header.file, size=size, chunks=chunks,
