@@ -56,9 +56,9 @@ class Incoming:
 class IncomingFile:
     """A peer's copy being received: its data goes to a temporary file in its step directory as
     it arrives, each chunk checked against its checksum as soon as it is complete, so what the
-    agent holds of it in memory is one piece whatever its size. `finish()` returns the
-    temporary file once it is whole and verified; `discard()` (a refused, damaged or cut copy)
-    leaves nothing, not even the step directory when the copy created it."""
+    agent holds of it in memory is one piece whatever its size. `place()` renames it into
+    place once whole; `discard()` (a refused, damaged or cut copy) leaves nothing, not even the
+    step directory when the copy created it."""
 
     def __init__(self, directory: Path, header: Incoming) -> None:
         if shard_rank(header.file) is None and header.file not in (METADATA_NAME,

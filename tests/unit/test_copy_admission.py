@@ -212,3 +212,18 @@ def test_a_refused_copy_leaves_no_temporary_file(root):
     store(k, header, DATA)
     assert sorted(p.name for p in step_dir(root, 12).iterdir()) == [shard_name(0),
                                                                     record_name(0)]
+
+
+def test_a_step_of_the_replaced_history_is_refused_until_this_nodes_workers_restored(root):
+    """Generation GEN restores step 10: a step 12 arriving before this node's workers restored
+    (and freed the replaced history's 11, 12...) could be the old history's, and mixed into the
+    new step 12 it would still verify."""
+    root.mkdir(parents=True, exist_ok=True)
+    k = SnapshotKeeper(root, "b", "b:1", view(), None, None, None,  # type: ignore[arg-type]
+                       lambda: 0, peer_key=lambda: KEY)
+    with pytest.raises(SnapshotInvalid, match="have not restored it yet"):
+        store(k, copy(12, shard_name(0), DATA, "a"), DATA)
+    store(k, copy(10, shard_name(0), DATA, "a"), DATA)  # the restored step is both histories'
+    k.restored(GEN, 10)
+    store(k, copy(12, shard_name(0), DATA, "a"), DATA)
+    assert [h.step for h in k.held()] == [10, 12]
