@@ -30,7 +30,7 @@ import json
 from collections.abc import Iterable
 from typing import Any
 
-from checkpoint.snapshot_format import CHUNK_BYTES, shard_rank
+from checkpoint.snapshot_format import CHUNK_BYTES, SnapshotInvalid, shard_rank
 from daemon.control.peer_key import PeerKey
 from daemon.control.snapshot_steps import buddy_of, step_horizon
 from daemon.node.snapshot_files import Incoming
@@ -75,6 +75,14 @@ def size_bound(plan: Any, file: str) -> int:
     memory = plan.predicted.memory_bytes if plan is not None else None
     state = memory.params + memory.optimizer if memory is not None else 0
     return SIZE_FACTOR * state + SIZE_FLOOR
+
+
+def check(header: Incoming, node: str, view: Any, key: PeerKey | None,
+          restored_generation: int, own_steps: Iterable[int], own_file: bool) -> None:
+    """Raises SnapshotInvalid, naming the copy and the reason, unless `node` accepts it."""
+    reason = refusal(header, node, view, key, restored_generation, own_steps, own_file)
+    if reason:
+        raise SnapshotInvalid(f"{header.where} refused: {reason}")
 
 
 def refusal(header: Incoming, node: str, view: Any, key: PeerKey | None,

@@ -35,7 +35,6 @@ from checkpoint.snapshot_format import (
     MANIFEST_NAME,
     METADATA_NAME,
     FileEntry,
-    SnapshotInvalid,
     SnapshotManifest,
     parse_step_dir,
     read_held,
@@ -78,18 +77,16 @@ class SnapshotKeeper:
                  publish_s: float = 0.5, peer_key: Callable[[], PeerKey | None] = lambda: None
                  ) -> None:
         self.root, self.node, self.address = Path(root), node, address
-        self.on_held = on_held
+        self.on_held, self.publish_s = on_held, publish_s
         self.view, self.etcd, self.keys = view, etcd, keys
         self.lease, self.keep, self.poll_s, self.peer_key = lease, keep, poll_s, peer_key
         self.wake = asyncio.Event()
-        self.replicator = Replicator(node, view, send, lambda header: copy_admission.signed_as(
-            node, view, peer_key(), header))
+        self.replicator = Replicator(node, view, send, peer_key)
         # (step, name) of every copy received from a peer, and of its shard record
         self._received: set[tuple[int, str]] = set()
         self._received_pending = False  # copies came in since the last pass
         self._passed_at = 0.0  # monotonic time of the last pass
         self._published: tuple[int, SnapshotHoldings] | None = None  # (lease, holdings)
-        self.publish_s = publish_s
         self._published_at = 0.0  # monotonic time of the last publication
         self._published_for: tuple[object, ...] = ()  # (lease, job, generation) it was for
         self._unpublished = False  # a change came within the period: look again after it
@@ -314,12 +311,10 @@ class SnapshotKeeper:
     def _admit(self, header: Incoming) -> None:
         listing = self._listing()
         names = listing.get(header.step, ("", frozenset()))[1]  # own names are never replaced
-        reason = copy_admission.refusal(
+        copy_admission.check(
             header, self.node, self.view, self.peer_key(), self.replicator.run.generation,
             own_steps=[step for step, (_, held) in listing.items() if self._own(step, held)],
             own_file=header.file in names and (header.step, header.file) not in self._received)
-        if reason:
-            raise SnapshotInvalid(f"{header.where} refused: {reason}")
 
     # -- replicating --------------------------------------------------------------------------
 

@@ -16,8 +16,10 @@ from checkpoint.snapshot_format import (
     SnapshotManifest,
     chunk_checksums,
 )
+from daemon.control.peer_key import PeerKey
 from daemon.control.snapshot_steps import buddy_of
 from daemon.control.view import ClusterView
+from daemon.node.copy_admission import signed_as
 from daemon.node.replication_run import ReplicationRun
 from daemon.node.snapshot_files import Incoming, file_pieces, size_of
 
@@ -26,14 +28,12 @@ log = logging.getLogger(__name__)
 # send(address, header, pieces): one file to a peer, returning once the peer kept it
 # (SnapshotPeer.Replicate, daemon/api/replication_streams.py).
 Send = Callable[[str, Incoming, AsyncIterator[bytes]], Awaitable[None]]
-# sign(header): the header as this node sends it, signed; None while it cannot sign (no job,
-# or the submission's peer key is not here yet).
-Sign = Callable[[Incoming], Incoming | None]
 
 
 class Replicator:
-    def __init__(self, node: str, view: ClusterView, send: Send, sign: Sign) -> None:
-        self.node, self.view, self.send, self.sign = node, view, send, sign
+    def __init__(self, node: str, view: ClusterView, send: Send,
+                 peer_key: Callable[[], PeerKey | None]) -> None:
+        self.node, self.view, self.send, self.peer_key = node, view, send, peer_key
         # (step, file) -> {node: the chunk checksums of the copy it acknowledged}: a step
         # trained again after a restore is new content under the same name, and goes again.
         self.sent: dict[tuple[int, str], dict[str, tuple[int, ...] | None]] = {}
@@ -111,8 +111,9 @@ class Replicator:
         member = self.view.nodes.get(node)
         if member is None or size_of(directory / entry.path) != entry.size:
             return False  # gone, or the file was freed meanwhile
-        header = self.sign(Incoming(step, entry.path, entry.size, entry.chunks, entry.rank))
-        if header is None:
+        header = signed_as(self.node, self.view, self.peer_key(),
+                           Incoming(step, entry.path, entry.size, entry.chunks, entry.rank))
+        if header is None:  # no job runs, or the submission's peer key is not here yet
             self.retry = True
             return False
         try:

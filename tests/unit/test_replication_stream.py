@@ -230,14 +230,17 @@ def test_streams_from_one_peer_host_are_limited(root):
         try:
             stub = pb_grpc.SnapshotPeerStub(channel)
             data = payload(100, 4)
-            calls = [stub.Replicate(metadata=metadata) for _ in range(3)]
-            for step, call in enumerate(calls[:2], start=1):
+            calls = []
+            for step in (1, 2):  # one after another: the server sees them in this order
+                call = stub.Replicate(metadata=metadata)
+                calls.append(call)
                 header = shard(step, 0, data)
                 await call.write(pb.FileChunk(
                     step=step, file=header.file, size=header.size, chunks=header.chunks,
                     chunk_bytes=CHUNK_BYTES, rank=0, sender="a", spec_revision=REV,
                     generation=1, mac=header.mac, data=data))
                 assert (await call.read()).error == ""  # both open and working
+            calls.append(stub.Replicate(metadata=metadata))
             with pytest.raises(grpc.aio.AioRpcError) as refused:
                 await calls[2].read()
             assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
