@@ -18,6 +18,7 @@ its FileAck names the reason.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import AsyncIterator
 
 import grpc
@@ -34,6 +35,7 @@ log = logging.getLogger(__name__)
 # Replicate streams one peer host may hold open: a sender keeps one per receiver, and a local
 # test cluster runs all its agents on one loopback address.
 MAX_STREAMS_PER_PEER = 16
+REFUSALS_WARNED_S = 10.0
 
 
 class SnapshotPeerService(pb_grpc.SnapshotPeerServicer):
@@ -42,7 +44,7 @@ class SnapshotPeerService(pb_grpc.SnapshotPeerServicer):
         self.keeper = keeper
         self.max_streams_per_peer = max_streams_per_peer
         self._streams: dict[str, int] = {}  # peer host -> Replicate streams open
-        self._refused: dict[str, str] = {}  # peer host -> the last refusal logged
+        self._warned_at: dict[str, float] = {}  # peer host -> when a refusal was last a warning
 
     async def Replicate(self, request_iterator: AsyncIterator[pb.FileChunk],
                         context: grpc.aio.ServicerContext) -> AsyncIterator[pb.FileAck]:
@@ -94,10 +96,7 @@ class SnapshotPeerService(pb_grpc.SnapshotPeerServicer):
                         refused = str(exc)
                     incoming = None
                 if refused:
-                    # Once per peer and reason: a sender retries a refused copy every poll.
-                    (log.debug if self._refused.get(host) == refused else log.warning)(
-                        "%s", refused)
-                    self._refused[host] = refused
+                    self._log_refusal(host, refused)
                 yield pb.FileAck(step=header.step, file=header.file, error=refused)
                 header = None
             if header is not None:
@@ -108,6 +107,16 @@ class SnapshotPeerService(pb_grpc.SnapshotPeerServicer):
         finally:
             if incoming is not None:
                 incoming.discard()
+
+    def _log_refusal(self, host: str, refused: str) -> None:
+        """A warning at most every REFUSALS_WARNED_S per peer host, the rest at debug level: a
+        sender retries a refused copy every poll."""
+        now = time.monotonic()
+        if now >= self._warned_at.get(host, -REFUSALS_WARNED_S) + REFUSALS_WARNED_S:
+            self._warned_at[host] = now
+            log.warning("%s", refused)
+        else:
+            log.debug("%s", refused)
 
     async def _header(self, message: pb.FileChunk,
                       context: grpc.aio.ServicerContext) -> Incoming:

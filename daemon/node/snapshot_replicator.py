@@ -66,13 +66,18 @@ class Replicator:
             self.retry = True
             return
         buddy = buddy_of(self.node, plan.nodes, self.view.nodes) if plan is not None else None
-        done = set()
-        for entry in shards:
-            if buddy is not None and await self._send_to(buddy, step, directory, entry):
-                done.add(entry.rank)
-        if manifest is not None and await self._send_manifest(step, directory, manifest):
-            done.add(-1)
         own = {r.global_rank for r in plan.ranks_of(self.node)} if plan is not None else set()
+        done = set()
+        # Only what peers accept from this node (copy_admission.py): shards of the ranks it
+        # trains now, and the manifest where rank 0 runs; not what its workers wrote of other
+        # ranks in an earlier generation.
+        for entry in shards:
+            if entry.rank in own and buddy is not None and \
+                    await self._send_to(buddy, step, directory, entry):
+                done.add(entry.rank)
+        if manifest is not None and 0 in own and \
+                await self._send_manifest(step, directory, manifest):
+            done.add(-1)
         self.run.saw(step, bool(own) and buddy is not None
                      and done >= own | ({-1} if 0 in own else set()))
 

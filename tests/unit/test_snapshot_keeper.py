@@ -442,3 +442,20 @@ def test_only_what_this_nodes_workers_finish_calls_for_a_pass(root):
     assert not k._pass_due(k._last_signature, now=100.2)
     assert k._pass_due(k._last_signature, now=100.6)  # the peer's copy, a period later
     assert not k._pass_due(k._last_signature, now=100.7)
+
+
+def test_only_shards_of_the_ranks_this_node_trains_now_are_sent(root):
+    """Step 9 was written in generation 1, when a trained ranks 0 and 1 (and wrote the
+    manifest); generation 2 restored it with rank 0 on b. b accepts from a only rank 1's shard
+    now, so nothing else is sent (it would be refused, again at every poll)."""
+    view = running({"a": (1,), "b": (0,)}, generation=2, restored=9)
+    sent: list[tuple[int, str]] = []
+
+    async def send(address, header, pieces) -> None:
+        sent.append((header.step, header.file))
+
+    k = _sender(root, view, send)
+    k.restored(2, 9)
+    make_step(root, 9, [100, 100])
+    asyncio.run(k._replicate(k._listing(), ()))
+    assert sent == [(9, shard_name(1))]
