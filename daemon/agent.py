@@ -28,6 +28,7 @@ from daemon.control.leader import Leader
 from daemon.control.leader_failover import revoke_dead_leader
 from daemon.control.membership import Membership
 from daemon.control.outage import outage_check, publish_etcd_health
+from daemon.control.peer_key import PeerKeys
 from daemon.control.records import (
     ControlOp,
     ControlRequest,
@@ -82,9 +83,10 @@ class Agent(WorkerReports):
         # The newest generation a local worker failed in: it is broken, never hand it out again.
         self.broken_generation = 0
         self._leader_checked = 0  # the newest generation a failure made us check the leader in
-        self.snapshots = SnapshotKeeper.for_agent(config, self.view, self.etcd, self.keys,
-                                                  self.io.put_snapshot_file, self._lease,
-                                                  self.metrics.observe_snapshots)
+        self.peer_keys = PeerKeys(self.etcd, self.keys, self.view)
+        self.snapshots = SnapshotKeeper.for_agent(
+            config, self.view, self.etcd, self.keys, self.io.put_snapshot_file, self._lease,
+            self.metrics.observe_snapshots, self.peer_keys.current)
         self.read_peer_snapshot = self.io.read_snapshot
 
     # -- lifecycle -----------------------------------------------------------------------------
@@ -106,19 +108,18 @@ class Agent(WorkerReports):
                                          | SnapshotKeeper.env(self.snapshots),
                                          standby=cfg.standby_worker)
         record = NodeRecord(self.node_id, self.io.address, self.io.metrics_url, cfg.devices,
-                            pid=self.io.pid, version=__version__,
-                            device_memory=cfg.device_memory)
+                            pid=self.io.pid, version=__version__, device_memory=cfg.device_memory)
         self.membership = Membership(self.etcd, self.keys, record, cfg.ttl, self._on_fenced,
                                      self._outage_check, cfg.etcd_outage_s)
         self.view.subscribe(self._on_view)
         await self.etcd.connect()
         spawn = self.tasks.spawn
         if cfg.workers:
-            # A leader hosts c10d stores: import torch.distributed in the background now rather
-            # than inside the first generation change (the import takes seconds). Agents
-            # without workers (control plane only) import it when they first lead.
+            # A leader hosts c10d stores: import torch.distributed now, not in the first
+            # generation change; control-plane-only agents import it when they first lead.
             spawn(StoreHost.preload(), "preload-torch", long_lived=False)
         spawn(self.view.run(), "view")
+        spawn(self.peer_keys.run(), "peer-key")
         spawn(self.membership.run(), "membership")
         spawn(self._leadership(), "leadership")
         spawn(self._follower(), "follower")

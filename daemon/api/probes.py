@@ -26,6 +26,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from daemon.api.auth import split_host_port
+from daemon.api.grpc_limits import MESSAGE_OPTIONS
 from daemon.control.membership import Membership
 from daemon.control.view import ClusterView
 from daemon.tasks import TaskSupervisor
@@ -112,7 +113,7 @@ def check_health_listen(address: str) -> None:
 async def start_probe_server(listen: str, probes: Mapping[str, Probe]
                              ) -> tuple[grpc.aio.Server, str]:
     """A plaintext gRPC server with only grpc.health.v1; returns it and its bound address."""
-    server = grpc.aio.server()
+    server = grpc.aio.server(options=MESSAGE_OPTIONS)
     health_pb2_grpc.add_HealthServicer_to_server(ProbeService(probes), server)
     try:
         port = server.add_insecure_port(listen)

@@ -7,7 +7,7 @@ then its acknowledgement, which the peer sends once the copy verified and is kep
 
 A stream that fails in any way (the peer went away, a deadline, an out-of-order answer) is
 dropped, and the next send opens a new one; so is a stream that has ended, and one opened with
-a peer secret that has changed since.
+a peer key that has changed since (a new job submission).
 """
 
 from __future__ import annotations
@@ -28,7 +28,8 @@ Metadata = tuple[tuple[str, str], ...]
 
 
 class CopyRefused(Exception):
-    """The peer received the file whole but did not keep it (its checksums did not match)."""
+    """The peer did not keep the file: its checksums did not match, or the peer does not accept
+    such a copy from this node (the message says why)."""
 
 
 class StreamOutOfStep(Exception):
@@ -89,7 +90,8 @@ class ReplicationStreams:
     async def _write(call: Any, header: Incoming, pieces: AsyncIterator[bytes]) -> None:
         first: pb.FileChunk | None = pb.FileChunk(
             step=header.step, file=header.file, size=header.size, chunks=header.chunks,
-            chunk_bytes=CHUNK_BYTES, rank=header.rank)
+            chunk_bytes=CHUNK_BYTES, rank=header.rank, sender=header.sender,
+            spec_revision=header.spec_revision, generation=header.generation, mac=header.mac)
         async for piece in pieces:
             if first is not None:
                 first.data = piece

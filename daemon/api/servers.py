@@ -24,6 +24,7 @@ from grpc_reflection.v1alpha import reflection
 from daemon.api import advertise
 from daemon.api.admin_service import AdminService
 from daemon.api.auth import BearerTokenInterceptor, load_or_create_token
+from daemon.api.grpc_limits import MESSAGE_OPTIONS
 from daemon.api.metrics import Metrics, serve
 from daemon.api.probes import agent_probes, start_probe_server
 from daemon.api.replication_streams import ReplicationStreams
@@ -75,9 +76,10 @@ class AgentIO:
         metrics_port = self._metrics_server.server_port
         self.metrics_url = f"http://{advertise.host_port(metrics_host, metrics_port)}/metrics"
 
-        self._peer_secret = lambda: host.view.peer_secret
+        self._peer_secret = host.peer_keys.secret
         server = grpc.aio.server(interceptors=[BearerTokenInterceptor(self.token,
-                                                                      self._peer_secret)])
+                                                                      self._peer_secret)],
+                                 options=MESSAGE_OPTIONS)
         pb_grpc.add_AgentServicer_to_server(AdminService(host), server)
         if host.snapshots is not None:
             pb_grpc.add_SnapshotPeerServicer_to_server(SnapshotPeerService(host.snapshots),
@@ -98,7 +100,7 @@ class AgentIO:
 
         self.socket_path = _socket_path(cfg.state_dir)
         self.socket_path.unlink(missing_ok=True)
-        workers = grpc.aio.server()
+        workers = grpc.aio.server(options=MESSAGE_OPTIONS)
         pb_grpc.add_WorkerControlServicer_to_server(WorkerControlService(host), workers)
         workers.add_insecure_port(f"unix:{self.socket_path}")
         self._servers.append(workers)
@@ -147,9 +149,9 @@ class AgentIO:
                 # The agent's own certificate doubles as its client certificate: peers that
                 # require mTLS accept it when both chain to the same --tls-ca.
                 creds = client_credentials(tls.ca, tls.cert, tls.key)
-                self._peers[address] = grpc.aio.secure_channel(address, creds)
+                self._peers[address] = grpc.aio.secure_channel(address, creds, MESSAGE_OPTIONS)
             else:
-                self._peers[address] = grpc.aio.insecure_channel(address)
+                self._peers[address] = grpc.aio.insecure_channel(address, MESSAGE_OPTIONS)
         return self._peers[address]
 
     async def _check(self, address: str, service: str) -> int | None:

@@ -37,6 +37,7 @@ from typing import Any
 import grpc
 
 from daemon.api.auth import call_metadata, is_loopback, split_host_port
+from daemon.api.grpc_limits import MESSAGE_OPTIONS
 from daemon.cli.ctlconfig import ContextError, load_context, save_discovered, split_endpoints
 from daemon.secret_files import SecretFileError, read_secret
 from daemon.tls_files import TLSFileError, client_credentials
@@ -143,8 +144,8 @@ class Agents:
         self.metadata = call_metadata(target.token) if target.token else ()
         self._connect_timeout = connect_timeout
         creds = target.credentials
-        self._channels = [grpc.secure_channel(e, creds) if creds else grpc.insecure_channel(e)
-                          for e in target.endpoints]
+        self._channels = [grpc.secure_channel(e, creds, MESSAGE_OPTIONS) if creds
+                          else grpc.insecure_channel(e, MESSAGE_OPTIONS) for e in target.endpoints]
         self._cond = threading.Condition()
         self._ready = [False] * len(self._channels)
         self._failed = [False] * len(self._channels)

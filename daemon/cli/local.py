@@ -31,6 +31,7 @@ from typing import IO
 import grpc
 
 from daemon.api.auth import call_metadata, load_or_create_token
+from daemon.api.grpc_limits import MESSAGE_OPTIONS
 from daemon.cli.ctlconfig import Context, config_path, save_context
 from daemon.control.etcd_server import EtcdServer
 from daemon.procutil import parent_death_env, terminate
@@ -202,7 +203,7 @@ def _pythonpath() -> str:
 def _call(cluster: LocalCluster, token: str, method: str, request: object) -> object:
     last: grpc.RpcError | None = None
     for endpoint in cluster.endpoints():
-        with grpc.insecure_channel(endpoint) as channel:
+        with grpc.insecure_channel(endpoint, MESSAGE_OPTIONS) as channel:
             try:
                 return getattr(pb_grpc.AgentStub(channel), method)(
                     request, timeout=10, metadata=call_metadata(token))

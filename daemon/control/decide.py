@@ -52,7 +52,7 @@ from daemon.control.snapshot import (
     Snapshot,
     StartGeneration,
 )
-from daemon.control.snapshot_steps import newest_assemblable
+from daemon.control.snapshot_steps import newest_assemblable, step_horizon
 from parallel.job import FaultConfig, JobConfig
 from parallel.planner import NodeInfo, Plan, PlanError, plan_generation
 
@@ -264,7 +264,13 @@ class _Decider:
         durable = c.step if c.step >= 0 and c.path else -1
         held = {n: h for n, h in self.s.holdings.items()
                 if n in self.s.members and h.spec_revision == self.s.spec_revision}
-        step, holders = newest_assemblable(held)
+        # Never a step beyond what the job has been seen to reach (snapshot_steps.py): the
+        # progress rank 0 reported, the durable checkpoint, the running generation's restore,
+        # the steps the members' own workers wrote and replicated.
+        seen = max(self.s.progress.step, durable, self.plan.restore.step if self.plan else 0,
+                   *(h.replicated_through for h in held.values()))
+        step, holders = newest_assemblable(
+            held, step_horizon(seen, self.job.checkpoint.snapshot_every))
         if step > 0 and step >= durable:
             return {"source": "snapshot", "step": step, "locations": list(holders),
                     "checkpoint_step": max(durable, 0)}

@@ -18,7 +18,9 @@ def check_name(what: str, value: str) -> str:
 
 @dataclass(frozen=True)
 class Keys:
-    """Keys of one job namespace: `/ultrascale/<job>/...`."""
+    """Keys of one job namespace: `/ultrascale/<job>/...`, which operators and observers may
+    read, and `/ultrascale-private/<job>/...`, which only the agents' etcd role may read
+    (deploy/: the etcd RBAC)."""
 
     job: str
 
@@ -80,9 +82,14 @@ class Keys:
         return self._k("restore")
 
     @property
-    def peer_secret(self) -> bytes:
-        """The job's secret for agent-to-agent snapshot calls (created by the first agent)."""
-        return self._k("peer_secret")
+    def private_prefix(self) -> bytes:
+        return f"/ultrascale-private/{self.job}/".encode()
+
+    @property
+    def peer_key(self) -> bytes:
+        """The job submission's key for agent-to-agent snapshot calls and copies, replaced
+        with each submission (daemon/control/peer_key.py)."""
+        return self.private_prefix + b"peer_key"
 
     @property
     def snapshots(self) -> bytes:

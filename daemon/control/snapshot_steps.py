@@ -5,7 +5,9 @@ Pure functions of `snapshots/<node>` records (daemon/control/records.py), unit-t
   restore can read it now;
 - complete: every shard and the manifest are held by two nodes at least (a primary and a buddy
   copy), so the step survives the loss of any one node; judged from the runs of replicated
-  steps the members publish with their holdings.
+  steps the members publish with their holdings;
+- plausible: not beyond the newest step a node has seen by more than a small window, so a
+  forged far-future step is neither kept by a node nor restored by the leader.
 """
 
 from __future__ import annotations
@@ -13,6 +15,20 @@ from __future__ import annotations
 from collections.abc import Container, Iterable, Mapping
 
 from daemon.control.records import HeldStep, SnapshotHoldings
+
+# The window, in snapshot intervals, beyond the newest step a node has seen (its own workers'
+# newest snapshot, the job's progress record, the step its generation restored) within which a
+# snapshot step is plausible. Every step ends in collectives all ranks join, so no rank's
+# snapshot of a step is written more than an interval or so before this node's own workers
+# write theirs; the rest covers the progress record, written at most twice a second, when a
+# node's own snapshots lag (they failed, or it holds none yet). A copy beyond it is refused
+# by the keeper, and the leader never restores a step beyond it.
+WINDOW_SNAPSHOTS = 4
+
+
+def step_horizon(seen: int, snapshot_every: int) -> int:
+    """The newest snapshot step that is plausible for a node that has seen step `seen`."""
+    return max(seen, 0) + WINDOW_SNAPSHOTS * max(snapshot_every, 1)
 
 
 def _by_step(holdings: Mapping[str, SnapshotHoldings]) -> dict[int, list[tuple[str, HeldStep]]]:
@@ -30,11 +46,15 @@ def _world(parts: list[tuple[str, HeldStep]]) -> int | None:
     return sizes.pop() if len(sizes) == 1 else None
 
 
-def newest_assemblable(holdings: Mapping[str, SnapshotHoldings]) -> tuple[int, tuple[str, ...]]:
-    """The newest snapshot step whose every shard, manifest and metadata some node in
-    `holdings` holds, and those nodes (sorted); (-1, ()) when there is none."""
+def newest_assemblable(holdings: Mapping[str, SnapshotHoldings], limit: int | None = None
+                       ) -> tuple[int, tuple[str, ...]]:
+    """The newest snapshot step (not beyond `limit`, when given) whose every shard, manifest
+    and metadata some node in `holdings` holds, and those nodes (sorted); (-1, ()) when there
+    is none."""
     by_step = _by_step(holdings)
     for step in sorted(by_step, reverse=True):
+        if limit is not None and step > limit:
+            continue
         parts = by_step[step]
         world = _world(parts)
         if world is None:

@@ -65,7 +65,6 @@ class ClusterView:
         self.cordons: dict[str, Cordon] = {}
         self.snapshots: dict[str, SnapshotHoldings] = {}  # node -> what it holds in memory
         self.restore = RestoreRecord()
-        self.peer_secret = ""
         self.revision = 0
         self.connected = False
         self.disconnected_at = 0.0  # monotonic time the watch last broke (0: never)
@@ -76,8 +75,7 @@ class ClusterView:
     def subscribe(self, listener: Listener) -> None:
         """`listener(kinds)` runs after each applied batch; kinds ⊆ {nodes, leader, generation,
         spec, progress, checkpoint, directive, status, control, cordons, snapshots, restore,
-        peer_secret, connection}. It must
-        not block."""
+        connection}. It must not block."""
         self._listeners.append(listener)
 
     async def wait_for(self, predicate: Callable[[], bool], timeout: float | None = None) -> bool:
@@ -123,7 +121,7 @@ class ClusterView:
         self.control.clear()
         self.cordons.clear()
         self.snapshots.clear()
-        self.restore, self.peer_secret = RestoreRecord(), ""
+        self.restore = RestoreRecord()
         self.leader, self.spec, self.job_spec = None, None, JobSpec()
         self.progress, self.checkpoint = Progress(), CheckpointRecord()
         self.directive, self.status = Directive(), JobStatus()
@@ -176,9 +174,6 @@ class ClusterView:
         if name == "restore":
             self.restore = RestoreRecord.from_json(kv.value) if put else RestoreRecord()
             return "restore"
-        if name == "peer_secret":
-            self.peer_secret = kv.value.decode(errors="replace") if put else ""
-            return "peer_secret"
         if name.startswith("cordons/"):
             node = name[len("cordons/"):]
             if put:

@@ -1,10 +1,14 @@
-"""Files of the in-memory snapshots as the agent handles them: a peer's incoming file, reading
-one in pieces, and small stat helpers (daemon/node/snapshot_keeper.py)."""
+"""Files of the in-memory snapshots as the agent handles them: a peer's incoming file, written
+piece by piece and verified as it arrives, reading one in pieces, and small stat helpers
+(daemon/node/snapshot_keeper.py)."""
 
 from __future__ import annotations
 
+import contextlib
+import json
 import logging
 import os
+import secrets
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,11 +20,14 @@ from checkpoint.snapshot_format import (
     FileEntry,
     SnapshotInvalid,
     SnapshotManifest,
+    crc32c_update,
+    create_private_file,
     parse_step_dir,
     private_dirs,
+    record_name,
     shard_rank,
     step_dir,
-    verify_span,
+    write_atomically,
 )
 
 log = logging.getLogger(__name__)
@@ -30,13 +37,111 @@ PIECE_BYTES = 1 << 20  # one gRPC message of file data (gRPC's default limit is 
 
 @dataclass(frozen=True)
 class Incoming:
-    """The header of a file a peer sends (the first message of a file on SnapshotPeer.Replicate)."""
+    """The header of a file a peer sends (the first message of a file on SnapshotPeer.Replicate):
+    the file, and who sends it of which history, signed (daemon/node/copy_admission.py)."""
 
     step: int
     file: str
     size: int
     chunks: tuple[int, ...]
     rank: int
+    sender: str = ""
+    spec_revision: int = 0
+    generation: int = 0
+    mac: bytes = b""
+
+    @property
+    def where(self) -> str:
+        return f"copy of snapshot step {self.step}: {self.file} from {self.sender or 'a peer'}"
+
+
+class IncomingFile:
+    """A peer's copy being received: its data goes to a temporary file in its step directory as
+    it arrives, each chunk checked against its checksum as soon as it is complete, so what the
+    agent holds of it in memory is one piece whatever its size. `place()` renames it into
+    place once whole; `discard()` (a refused, damaged or cut copy) leaves nothing, not even the
+    step directory when the copy created it."""
+
+    def __init__(self, directory: Path, header: Incoming) -> None:
+        if shard_rank(header.file) is None and header.file not in (METADATA_NAME,
+                                                                   MANIFEST_NAME):
+            raise SnapshotInvalid(f"{header.where}: not a snapshot file name")
+        if len(header.chunks) != -(-header.size // CHUNK_BYTES):
+            raise SnapshotInvalid(f"{header.where}: {len(header.chunks)} chunk checksums for "
+                                  f"{header.size} bytes")
+        self.header, self.directory = header, directory
+        self._made_directory = not directory.exists()
+        private_dirs(directory.parent, directory)  # 0700, refused if another user controls it
+        self.path = directory / f".{header.file}.{secrets.token_hex(6)}.part"
+        # A name of our own, never followed if something is there already, readable by us only.
+        self._fd: int | None = create_private_file(self.path)
+        self.received = 0
+        self._crc = 0  # the checksum of the current chunk's bytes so far
+
+    def write(self, piece: bytes) -> None:
+        """Append `piece`; raises SnapshotInvalid past the declared size or on a chunk whose
+        checksum does not match."""
+        header, view = self.header, memoryview(piece)
+        if self.received + len(view) > header.size:
+            raise SnapshotInvalid(f"{header.where}: more than its {header.size} bytes")
+        assert self._fd is not None, "written after finish or discard"
+        pos = 0
+        while pos < len(view):
+            take = min(len(view) - pos, CHUNK_BYTES - self.received % CHUNK_BYTES)
+            part = view[pos:pos + take]
+            self._crc = crc32c_update(part, self._crc)
+            written = 0
+            while written < take:  # a short write on a full tmpfs is retried, then ENOSPC
+                written += os.write(self._fd, part[written:])
+            self.received += take
+            pos += take
+            if self.received % CHUNK_BYTES == 0 or self.received == header.size:
+                index = (self.received - 1) // CHUNK_BYTES
+                if self._crc != header.chunks[index]:
+                    raise SnapshotInvalid(f"{header.where}: checksum mismatch in chunk {index} "
+                                          f"(bytes {index * CHUNK_BYTES}+)")
+                self._crc = 0
+
+    def place(self, held: Callable[[str, int], SnapshotManifest | None]) -> tuple[str, ...]:
+        """Rename the whole, verified file into place (a manifest only once its step's
+        `.metadata` is here, see `ensure_metadata`; a shard with its record beside it); returns
+        the names placed. Raises SnapshotInvalid when it is short, or its step was freed
+        meanwhile; the caller then discards it."""
+        header, directory = self.header, self.directory
+        if self.received != header.size:
+            raise SnapshotInvalid(f"{header.where} is truncated: {self.received} of "
+                                  f"{header.size} bytes")
+        self._close()
+        placed = [header.file]
+        if header.file == MANIFEST_NAME:
+            manifest = parse_step_manifest(self.path.read_bytes(), header.step)
+            ensure_metadata(directory.parent, manifest, held)
+            placed.append(METADATA_NAME)  # a peer's, maybe linked here from another step
+        try:
+            os.replace(self.path, directory / header.file)
+            rank = shard_rank(header.file)
+            if rank is not None:
+                record = {"step": header.step, **FileEntry(header.file, rank, header.size,
+                                                           header.chunks).to_json()}
+                write_atomically(directory / record_name(rank), json.dumps(record).encode())
+                placed.append(record_name(rank))
+        except FileNotFoundError:
+            raise SnapshotInvalid(f"{header.where}: its step was freed while it was "
+                                  "received") from None
+        return tuple(placed)
+
+    def discard(self) -> None:
+        self._close()
+        with contextlib.suppress(FileNotFoundError):
+            self.path.unlink()
+        if self._made_directory:
+            with contextlib.suppress(OSError):  # not empty: something else arrived meanwhile
+                self.directory.rmdir()
+
+    def _close(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
 
 
 class ParsedFiles:
@@ -70,25 +175,6 @@ class ParsedFiles:
         """Forget the files outside `directories` (freed steps)."""
         self._cache = {p: v for p, v in self._cache.items()
                        if os.path.dirname(p) in directories}
-
-
-def verify_incoming(header: Incoming, data: bytes) -> SnapshotManifest | None:
-    """Raises SnapshotInvalid unless `data` is what `header` says: a snapshot file of its size
-    whose every chunk matches its checksum (a manifest: its own checksum, and its step). Returns
-    the manifest, parsed, when it is one."""
-    where = f"copy of snapshot step {header.step}: {header.file} from a peer"
-    if shard_rank(header.file) is None and header.file not in (METADATA_NAME, MANIFEST_NAME):
-        raise SnapshotInvalid(f"{where}: not a snapshot file name")
-    if len(data) != header.size:
-        raise SnapshotInvalid(f"{where} is truncated: {len(data)} of {header.size} bytes")
-    if header.file == MANIFEST_NAME:
-        return parse_step_manifest(data, header.step)
-    if len(header.chunks) != -(-header.size // CHUNK_BYTES):
-        raise SnapshotInvalid(f"{where}: {len(header.chunks)} chunk checksums for "
-                              f"{header.size} bytes")
-    verify_span(FileEntry(header.file, header.rank, header.size, header.chunks), 0, header.size,
-                data, where)
-    return None
 
 
 def parse_step_manifest(raw: bytes, step: int) -> SnapshotManifest:

@@ -14,8 +14,9 @@ the agent, then
 - keeps the newest `keep` steps it holds a manifest for (and anything newer) and frees the rest;
 - serves byte ranges of what it holds, to its own workers and to peers.
 
-Received copies are verified against their chunk checksums before they are kept; what a
-restoring worker reads is verified again, end to end, by its reader.
+A peer's copy is kept only when this node accepts it (daemon/node/copy_admission.py), written
+to a temporary file verified chunk by chunk as it arrives and renamed into place when whole;
+what a restoring worker reads is verified again, end to end, by its reader.
 """
 
 from __future__ import annotations
@@ -25,7 +26,6 @@ import contextlib
 import json
 import logging
 import os
-import secrets
 import shutil
 import time
 from collections.abc import Callable
@@ -44,21 +44,21 @@ from checkpoint.snapshot_format import (
     shard_rank,
     snapshot_root,
     step_dir,
-    write_atomically,
 )
 from daemon.config import AgentConfig
 from daemon.control.etcd_client import ETCD_ERRORS, Etcd
 from daemon.control.keys import Keys
+from daemon.control.peer_key import PeerKey
 from daemon.control.records import HeldStep, SnapshotHoldings
 from daemon.control.snapshot_steps import newest_assemblable, peers_holding
 from daemon.control.view import ClusterView
+from daemon.node import copy_admission
 from daemon.node.snapshot_files import (
     Incoming,
+    IncomingFile,
     ParsedFiles,
-    ensure_metadata,
     parse_step_manifest,
     size_of,
-    verify_incoming,
 )
 from daemon.node.snapshot_replicator import Replicator, Send
 
@@ -75,20 +75,20 @@ class SnapshotKeeper:
     def __init__(self, root: Path, node: str, address: str, view: ClusterView, etcd: Etcd,
                  keys: Keys, send: Send, lease: Callable[[], int], keep: int = 2,
                  poll_s: float = 0.05, on_held: OnHeld = lambda *_: None,
-                 publish_s: float = 0.5, base: Path | None = None) -> None:
+                 publish_s: float = 0.5, base: Path | None = None,
+                 peer_key: Callable[[], PeerKey | None] = lambda: None) -> None:
         self.root, self.node, self.address = Path(root), node, address
         self.base = self.root if base is None else Path(base)  # see private_dirs
-        self.on_held = on_held
+        self.on_held, self.publish_s = on_held, publish_s
         self.view, self.etcd, self.keys = view, etcd, keys
-        self.lease, self.keep, self.poll_s = lease, keep, poll_s
+        self.lease, self.keep, self.poll_s, self.peer_key = lease, keep, poll_s, peer_key
         self.wake = asyncio.Event()
-        self.replicator = Replicator(node, view, send)
+        self.replicator = Replicator(node, view, send, peer_key)
         # (step, name) of every copy received from a peer, and of its shard record
         self._received: set[tuple[int, str]] = set()
         self._received_pending = False  # copies came in since the last pass
         self._passed_at = 0.0  # monotonic time of the last pass
         self._published: tuple[int, SnapshotHoldings] | None = None  # (lease, holdings)
-        self.publish_s = publish_s
         self._published_at = 0.0  # monotonic time of the last publication
         self._published_for: tuple[object, ...] = ()  # (lease, job, generation) it was for
         self._unpublished = False  # a change came within the period: look again after it
@@ -103,13 +103,14 @@ class SnapshotKeeper:
 
     @classmethod
     def for_agent(cls, config: AgentConfig, view: ClusterView, etcd: Etcd, keys: Keys,
-                  send: Send, lease: Callable[[], int], on_held: OnHeld) -> SnapshotKeeper | None:
+                  send: Send, lease: Callable[[], int], on_held: OnHeld,
+                  peer_key: Callable[[], PeerKey | None]) -> SnapshotKeeper | None:
         """The keeper of an agent that runs workers (None for a control-plane-only agent)."""
         if not config.workers:
             return None
         root = snapshot_root(config.job, config.snapshot_base) / config.node_id
         return cls(root, config.node_id, "", view, etcd, keys, send, lease, on_held=on_held,
-                   base=config.snapshot_base)
+                   base=config.snapshot_base, peer_key=peer_key)
 
     @staticmethod
     def env(keeper: SnapshotKeeper | None) -> dict[str, str]:
@@ -125,7 +126,6 @@ class SnapshotKeeper:
 
     async def run(self) -> None:
         private_dirs(self.base, self.root)
-        await self._ensure_secret()
         while True:
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(self.poll_s):
@@ -232,18 +232,6 @@ class SnapshotKeeper:
         self._replicated = {k: v for k, v in self._replicated.items() if k <= step}
         self.wake.set()
 
-    async def _ensure_secret(self) -> None:
-        """The job's peer secret: created once, by whichever agent gets there first."""
-        while not self.view.peer_secret:
-            try:
-                tx = self.etcd.tx
-                await self.etcd.txn([tx.create(self.keys.peer_secret) == 0],
-                                    [tx.put(self.keys.peer_secret,
-                                            secrets.token_urlsafe(32).encode())])
-            except ETCD_ERRORS:
-                pass
-            await self.view.wait_for(lambda: bool(self.view.peer_secret), 1.0)
-
     # -- what is here -------------------------------------------------------------------------
 
     def _record(self, directory: str, rank: int) -> FileEntry | None:
@@ -305,21 +293,30 @@ class SnapshotKeeper:
 
     # -- receiving ----------------------------------------------------------------------------
 
-    def store(self, header: Incoming, data: bytes) -> None:
-        """Keep a peer's copy once it verifies; raises SnapshotInvalid when it does not."""
-        manifest = verify_incoming(header, data)
-        if manifest is not None:
-            ensure_metadata(self.root, manifest, self._manifest)
-        directory = private_dirs(self.root, step_dir(self.root, header.step))
-        rank = shard_rank(header.file)
-        if rank is not None:
-            record = {"step": header.step, **FileEntry(header.file, rank, header.size,
-                                                       header.chunks).to_json()}
-            self._received.add((header.step, record_name(rank)))
-            write_atomically(directory / record_name(rank), json.dumps(record).encode())
-        self._received.add((header.step, header.file))
-        write_atomically(directory / header.file, data)
+    def receive(self, header: Incoming) -> IncomingFile:
+        """Start receiving a peer's copy; SnapshotInvalid (the reason) when it is refused."""
+        self._admit(header)
+        return IncomingFile(step_dir(self.root, header.step), header)
+
+    def accept(self, incoming: IncomingFile) -> None:
+        """Put a received copy in place once whole, verified and still accepted (the plan may
+        have changed while it streamed); else discard it and raise SnapshotInvalid."""
+        try:
+            self._admit(incoming.header)
+            placed = incoming.place(self._manifest)
+        except BaseException:
+            incoming.discard()
+            raise
+        self._received.update((incoming.header.step, name) for name in placed)
         self._received_pending = True
+
+    def _admit(self, header: Incoming) -> None:
+        listing = self._listing()
+        names = listing.get(header.step, ("", frozenset()))[1]  # own names are never replaced
+        copy_admission.check(
+            header, self.node, self.view, self.peer_key(), self.replicator.run.generation,
+            own_steps=[step for step, (_, held) in listing.items() if self._own(step, held)],
+            own_file=header.file in names and (header.step, header.file) not in self._received)
 
     # -- replicating --------------------------------------------------------------------------
 

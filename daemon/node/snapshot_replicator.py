@@ -16,8 +16,10 @@ from checkpoint.snapshot_format import (
     SnapshotManifest,
     chunk_checksums,
 )
+from daemon.control.peer_key import PeerKey
 from daemon.control.snapshot_steps import buddy_of
 from daemon.control.view import ClusterView
+from daemon.node.copy_admission import signed_as
 from daemon.node.replication_run import ReplicationRun
 from daemon.node.snapshot_files import Incoming, file_pieces, size_of
 
@@ -29,8 +31,9 @@ Send = Callable[[str, Incoming, AsyncIterator[bytes]], Awaitable[None]]
 
 
 class Replicator:
-    def __init__(self, node: str, view: ClusterView, send: Send) -> None:
-        self.node, self.view, self.send = node, view, send
+    def __init__(self, node: str, view: ClusterView, send: Send,
+                 peer_key: Callable[[], PeerKey | None]) -> None:
+        self.node, self.view, self.send, self.peer_key = node, view, send, peer_key
         # (step, file) -> {node: the chunk checksums of the copy it acknowledged}: a step
         # trained again after a restore is new content under the same name, and goes again.
         self.sent: dict[tuple[int, str], dict[str, tuple[int, ...] | None]] = {}
@@ -56,14 +59,25 @@ class Replicator:
         this node wrote it, the `manifest` to every member; then note whether this node's part
         of the step is replicated: every shard of its ranks, and the manifest where rank 0 runs."""
         plan = self.view.plan
+        if plan is not None and step > plan.restore.step and self.run.generation != \
+                plan.generation:
+            # A step newer than the one this generation restores, while this node's workers
+            # have not restored yet: the replaced history's, which their restore frees.
+            self.retry = True
+            return
         buddy = buddy_of(self.node, plan.nodes, self.view.nodes) if plan is not None else None
-        done = set()
-        for entry in shards:
-            if buddy is not None and await self._send_to(buddy, step, directory, entry):
-                done.add(entry.rank)
-        if manifest is not None and await self._send_manifest(step, directory, manifest):
-            done.add(-1)
         own = {r.global_rank for r in plan.ranks_of(self.node)} if plan is not None else set()
+        done = set()
+        # Only what peers accept from this node (copy_admission.py): shards of the ranks it
+        # trains now, and the manifest where rank 0 runs; not what its workers wrote of other
+        # ranks in an earlier generation.
+        for entry in shards:
+            if entry.rank in own and buddy is not None and \
+                    await self._send_to(buddy, step, directory, entry):
+                done.add(entry.rank)
+        if manifest is not None and 0 in own and \
+                await self._send_manifest(step, directory, manifest):
+            done.add(-1)
         self.run.saw(step, bool(own) and buddy is not None
                      and done >= own | ({-1} if 0 in own else set()))
 
@@ -100,9 +114,13 @@ class Replicator:
         if done.get(node) == entry.chunks:
             return True
         member = self.view.nodes.get(node)
-        header = Incoming(step, entry.path, entry.size, entry.chunks, entry.rank)
         if member is None or size_of(directory / entry.path) != entry.size:
             return False  # gone, or the file was freed meanwhile
+        header = signed_as(self.node, self.view, self.peer_key(),
+                           Incoming(step, entry.path, entry.size, entry.chunks, entry.rank))
+        if header is None:  # no job runs, or the submission's peer key is not here yet
+            self.retry = True
+            return False
         try:
             await self.send(member.record.address, header, file_pieces(directory / entry.path))
         except Exception as exc:  # noqa: BLE001 - a peer's failure must not end the keeper

@@ -10,23 +10,23 @@ import shutil
 import tempfile
 from collections.abc import AsyncIterator
 from pathlib import Path
-from types import SimpleNamespace
 
 import grpc
 import pytest
 
-from checkpoint.snapshot_format import CHUNK_BYTES, chunk_checksums, shard_name, step_dir
+from checkpoint.snapshot_format import CHUNK_BYTES, shard_name, step_dir
 from daemon.api.auth import BearerTokenInterceptor
+from daemon.api.grpc_limits import MESSAGE_OPTIONS
 from daemon.api.replication_streams import CopyRefused, ReplicationStreams
-from daemon.api.snapshot_service import SnapshotPeerService
+from daemon.api.snapshot_service import MAX_STREAMS_PER_PEER, SnapshotPeerService
 from daemon.node.snapshot_files import PIECE_BYTES, Incoming
-from daemon.node.snapshot_keeper import SnapshotKeeper
 from proto.ultrascale.v1 import agent_pb2 as pb
 from proto.ultrascale.v1 import agent_pb2_grpc as pb_grpc
+from tests.unit.test_snapshot_keeper import KEY, REV, keeper, signed
 
 pytestmark = pytest.mark.unit
 
-SECRET = "s3cret"
+SECRET = KEY.secret
 
 
 @pytest.fixture
@@ -39,17 +39,18 @@ def root():
 class Peer:
     """A receiving agent's listener: the SnapshotPeer service behind the peer-secret check."""
 
-    def __init__(self, root: Path) -> None:
-        view = SimpleNamespace(snapshots={}, nodes={}, plan=None)
-        self.keeper = SnapshotKeeper(root, "b", "", view, None, None, None,  # type: ignore[arg-type]
-                                     lambda: 0)
+    def __init__(self, root: Path, max_streams: int = MAX_STREAMS_PER_PEER) -> None:
+        self.keeper = keeper(root)  # b: it keeps a's copies
         self.server: grpc.aio.Server | None = None
         self.port = 0
+        self.max_streams = max_streams
 
     async def start(self, port: int = 0) -> str:
         self.server = grpc.aio.server(interceptors=[BearerTokenInterceptor("admin",
-                                                                           lambda: SECRET)])
-        pb_grpc.add_SnapshotPeerServicer_to_server(SnapshotPeerService(self.keeper), self.server)
+                                                                           lambda: SECRET)],
+                                      options=MESSAGE_OPTIONS)
+        pb_grpc.add_SnapshotPeerServicer_to_server(
+            SnapshotPeerService(self.keeper, self.max_streams), self.server)
         self.port = self.server.add_insecure_port(f"127.0.0.1:{port}")
         await self.server.start()
         return f"127.0.0.1:{self.port}"
@@ -92,9 +93,9 @@ async def pieces(data: bytes) -> AsyncIterator[bytes]:
         yield data[start:start + PIECE_BYTES]
 
 
-def shard(step: int, rank: int, data: bytes, chunks: tuple[int, ...] | None = None) -> Incoming:
-    return Incoming(step, shard_name(rank), len(data),
-                    chunk_checksums(data) if chunks is None else chunks, rank)
+def shard(step: int, rank: int, data: bytes) -> Incoming:
+    """a's copy of its rank's shard, signed."""
+    return signed(step, shard_name(rank), data, rank)
 
 
 def payload(n: int, seed: int) -> bytes:
@@ -145,7 +146,8 @@ def test_a_stream_cut_inside_a_file_keeps_nothing_of_it(root):
             header = shard(6, 0, data)
             await call.write(pb.FileChunk(step=6, file=header.file, size=header.size,
                                           chunks=header.chunks, chunk_bytes=CHUNK_BYTES, rank=0,
-                                          data=data[:PIECE_BYTES]))
+                                          sender="a", spec_revision=REV, generation=1,
+                                          mac=header.mac, data=data[:PIECE_BYTES]))
             await call.done_writing()
             with pytest.raises(grpc.aio.AioRpcError) as failed:
                 await call.read()
@@ -190,5 +192,72 @@ def test_a_peer_that_restarted_gets_a_new_stream(root):
                 except grpc.aio.AioRpcError:
                     assert attempt == 0
             assert (step_dir(root, 2) / shard_name(0)).read_bytes() == data
+
+    asyncio.run(main())
+
+
+def test_read_range_serves_ranges_and_whole_files_piece_by_piece(root):
+    async def main() -> None:
+        async with linked(root) as (peer, sender, address):
+            data = payload(2 * PIECE_BYTES + 123, 9)
+            await sender.streams.send(address, shard(3, 0, data), pieces(data))
+            stub = pb_grpc.SnapshotPeerStub(sender.channel(address))
+            metadata = (("authorization", f"Bearer {SECRET}"),)
+
+            async def read(offset: int, length: int, step: int = 3) -> list[bytes]:
+                return [p.data async for p in stub.ReadRange(pb.SnapshotRange(
+                    step=step, file=shard_name(0), offset=offset, length=length),
+                    metadata=metadata)]
+
+            whole = await read(0, -1)
+            assert b"".join(whole) == data and max(map(len, whole)) == PIECE_BYTES
+            assert b"".join(await read(PIECE_BYTES - 5, PIECE_BYTES + 10)) == \
+                data[PIECE_BYTES - 5:2 * PIECE_BYTES + 5]
+            assert await read(10, 0) == [b""]
+            with pytest.raises(grpc.aio.AioRpcError) as missing:
+                await read(0, -1, step=4)
+            assert missing.value.code() == grpc.StatusCode.NOT_FOUND
+
+    asyncio.run(main())
+
+
+def test_streams_from_one_peer_host_are_limited(root):
+    async def main() -> None:
+        peer = Peer(root, max_streams=2)
+        address = await peer.start()
+        channel = grpc.aio.insecure_channel(address)
+        metadata = (("authorization", f"Bearer {SECRET}"),)
+        try:
+            stub = pb_grpc.SnapshotPeerStub(channel)
+            data = payload(100, 4)
+            calls = []
+            for step in (1, 2):  # one after another: the server sees them in this order
+                call = stub.Replicate(metadata=metadata)
+                calls.append(call)
+                header = shard(step, 0, data)
+                await call.write(pb.FileChunk(
+                    step=step, file=header.file, size=header.size, chunks=header.chunks,
+                    chunk_bytes=CHUNK_BYTES, rank=0, sender="a", spec_revision=REV,
+                    generation=1, mac=header.mac, data=data))
+                assert (await call.read()).error == ""  # both open and working
+            calls.append(stub.Replicate(metadata=metadata))
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await calls[2].read()
+            assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            await calls[0].done_writing()
+            assert await calls[0].read() == grpc.aio.EOF
+            # One closed: a new stream is let in.
+            later = stub.Replicate(metadata=metadata)
+            header = shard(5, 0, data)
+            await later.write(pb.FileChunk(
+                step=5, file=header.file, size=header.size, chunks=header.chunks,
+                chunk_bytes=CHUNK_BYTES, rank=0, sender="a", spec_revision=REV, generation=1,
+                mac=header.mac, data=data))
+            assert (await later.read()).error == ""
+            for call in (calls[1], later):
+                call.cancel()
+        finally:
+            await channel.close()
+            await peer.stop()
 
     asyncio.run(main())

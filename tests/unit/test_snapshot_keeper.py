@@ -1,5 +1,6 @@
 """The agent's side of snapshots on real shared-memory files: what it keeps from peers (only
-what verifies), what it says it holds, what it frees, what it serves."""
+what verifies), what it says it holds, what it frees, what it serves. Which copies it accepts
+at all is tests/unit/test_copy_admission.py's."""
 
 from __future__ import annotations
 
@@ -25,9 +26,12 @@ from checkpoint.snapshot_format import (
     step_dir,
     write_atomically,
 )
-from daemon.control.records import HeldStep, SnapshotHoldings
+from daemon.control.peer_key import PeerKey
+from daemon.control.records import HeldStep, Progress, SnapshotHoldings
+from daemon.node.copy_admission import sign
 from daemon.node.snapshot_files import Incoming
 from daemon.node.snapshot_keeper import SnapshotKeeper
+from parallel.planner import MemoryBytes
 from tests.unit.test_snapshot_store import make_step
 
 pytestmark = pytest.mark.unit
@@ -40,19 +44,72 @@ def root():
     shutil.rmtree(path, ignore_errors=True)
 
 
-def keeper(root: Path, view=None) -> SnapshotKeeper:
-    view = view or SimpleNamespace(snapshots={}, nodes={}, plan=None)
-    return SnapshotKeeper(root, "a", "a:1", view, None, None, None, lambda: 0)  # type: ignore[arg-type]
+REV = 7  # the job submission the tests' views run
+KEY = PeerKey(REV, "the-peer-key-of-submission-7-in-these-tests")
 
 
-def header(step: int, rank: int, data: bytes) -> Incoming:
-    return Incoming(step, shard_name(rank), len(data), chunk_checksums(data), rank)
+def plan_of(ranks: dict[str, tuple[int, ...]], generation: int, restored: int = 0
+            ) -> SimpleNamespace:
+    """What the keeper reads of a plan: which node trains which global rank."""
+    infos = tuple(SimpleNamespace(node=n, global_rank=r) for n, rs in ranks.items() for r in rs)
+    by_node = {n: tuple(i for i in infos if i.node == n) for n in ranks}
+    return SimpleNamespace(nodes=tuple(sorted(ranks)), ranks=infos, world_size=len(infos),
+                           ranks_of=lambda node: by_node.get(node, ()), generation=generation,
+                           restore=SimpleNamespace(source="init", step=restored, locations=()),
+                           job=SimpleNamespace(checkpoint=SimpleNamespace(snapshot_every=1)),
+                           predicted=SimpleNamespace(memory_bytes=MemoryBytes()))
+
+
+def running(ranks: dict[str, tuple[int, ...]] | None = None, generation: int = 1,
+            restored: int = 0, step: int = 10) -> SimpleNamespace:
+    """A view of submission REV's `generation`; by default a trains ranks 0-2 (and writes the
+    manifest), b rank 3, so b keeps a's copies. Every node alive, at `step`."""
+    ranks = ranks or {"a": (0, 1, 2), "b": (3,)}
+    member = SimpleNamespace(record=SimpleNamespace(address="b:1"))
+    return SimpleNamespace(snapshots={}, nodes={n: member for n in ranks},
+                           plan=plan_of(ranks, generation, restored), generation=generation,
+                           spec=SimpleNamespace(mod_revision=REV),
+                           progress=Progress(generation=generation, step=step))
+
+
+def keeper(root: Path, view=None, node: str = "b") -> SnapshotKeeper:
+    """Node `node`'s keeper; its workers restored the plan's step (so newer copies are kept)."""
+    view = view or running()
+    root.mkdir(parents=True, exist_ok=True)  # as the keeper's run() does
+    k = SnapshotKeeper(root, node, f"{node}:1", view, None, None, None,  # type: ignore[arg-type]
+                       lambda: 0, peer_key=lambda: KEY)
+    plan = getattr(view, "plan", None)
+    if plan is not None and hasattr(plan, "generation"):
+        k.restored(plan.generation, plan.restore.step)
+    return k
+
+
+def signed(step: int, file: str, data: bytes, rank: int, sender: str = "a",
+           generation: int = 1) -> Incoming:
+    return sign(Incoming(step, file, len(data), chunk_checksums(data), rank, sender=sender,
+                         spec_revision=REV, generation=generation), KEY)
+
+
+def header(step: int, rank: int, data: bytes, sender: str = "a", generation: int = 1
+           ) -> Incoming:
+    return signed(step, shard_name(rank), data, rank, sender, generation)
+
+
+def store(k: SnapshotKeeper, header: Incoming, data: bytes) -> None:
+    """Receive a whole copy at once, as SnapshotPeer.Replicate does piece by piece."""
+    incoming = k.receive(header)
+    try:
+        incoming.write(data)
+    except BaseException:
+        incoming.discard()
+        raise
+    k.accept(incoming)
 
 
 def test_a_peers_shard_is_kept_with_its_record_once_it_verifies(root):
     k = keeper(root)
     data = bytes(range(256)) * 50
-    k.store(header(7, 2, data), data)
+    store(k, header(7, 2, data), data)
     directory = step_dir(root, 7)
     assert (directory / shard_name(2)).read_bytes() == data
     record = json.loads((directory / record_name(2)).read_text())
@@ -72,10 +129,10 @@ def test_a_damaged_copy_is_refused_and_nothing_is_kept(root, damage):
     elif damage == "truncated":
         sent = data[:-10]
     else:
-        h = Incoming(h.step, h.file, h.size, h.chunks + (1,), h.rank)
+        h = sign(dataclasses.replace(h, chunks=h.chunks + (1,)), KEY)
         sent = data
     with pytest.raises(SnapshotInvalid):
-        k.store(h, sent)
+        store(k, h, sent)
     assert not (step_dir(root, 7) / shard_name(1)).exists()
     assert k.held() == ()
 
@@ -86,14 +143,14 @@ def test_a_damaged_manifest_is_refused(root):
     blob[blob.index(b'"size"') + 8] ^= 1
     k = keeper(root / "other")
     with pytest.raises(SnapshotInvalid, match="manifest|checksum"):
-        k.store(Incoming(3, MANIFEST_NAME, len(blob), (), -1), bytes(blob))
+        store(k, signed(3, MANIFEST_NAME, bytes(blob), -1), bytes(blob))
 
 
 def test_file_names_outside_the_format_are_refused(root):
     k = keeper(root)
     for name in ("../escape", "rank_1.distcp", "notes.txt"):
-        with pytest.raises(SnapshotInvalid):
-            k.store(Incoming(1, name, 1, chunk_checksums(b"x"), 0), b"x")
+        with pytest.raises(SnapshotInvalid, match="not a snapshot file name"):
+            store(k, signed(1, name, b"x", 0), b"x")
         with pytest.raises(ValueError):
             k.read(1, name, 0, -1)
     assert shard_rank("rank_00003.distcp") == 3 and shard_rank("rank_3.distcp") is None
@@ -137,7 +194,7 @@ def test_a_file_not_held_here_is_read_from_a_live_peer_that_holds_it(root):
                    "c": SnapshotHoldings("c", "c:1", (HeldStep(5, (1,), 2, True),)),
                    "d": SnapshotHoldings("d", "d:1", (HeldStep(5, (0, 1), 2, True),))},
         plan=None)
-    k = keeper(root, view)
+    k = keeper(root, view, node="a")
     assert k.holders(5, shard_name(0)) == ["b:1"]
     assert k.holders(5, shard_name(1)) == ["c:1"]
     assert k.holders(5, METADATA_NAME) == ["c:1"]  # d holds everything but is no member
@@ -151,7 +208,7 @@ def test_the_plans_restore_locations_are_tried_after_the_published_holders(root)
         nodes={"a": _member("a:1"), "b": _member("b:1"), "c": _member("c:1")},
         snapshots={"c": SnapshotHoldings("c", "c:1", (HeldStep(6, (0,), 2, True),))},
         plan=SimpleNamespace(restore=restore))
-    k = keeper(root, view)
+    k = keeper(root, view, node="a")
     assert k.holders(6, shard_name(0)) == ["c:1", "b:1"]  # not itself, nor d (no member)
     assert k.holders(6, shard_name(1)) == ["b:1", "c:1"]
     assert k.holders(5, shard_name(1)) == []  # not the step the plan restores
@@ -189,7 +246,7 @@ def _same_generation_step(root: Path, step: int, earlier: int) -> None:
 
 def _send(k: SnapshotKeeper, source: Path, step: int, name: str) -> None:
     data = (step_dir(source, step) / name).read_bytes()
-    k.store(Incoming(step, name, len(data), chunk_checksums(data), -1), data)
+    store(k, signed(step, name, data, -1), data)
 
 
 def test_a_manifest_links_the_metadata_its_node_holds_for_an_earlier_step(root):
@@ -229,17 +286,18 @@ class _Puts:
 
 
 def test_holdings_are_published_at_most_once_a_period_but_at_once_for_a_new_generation(root):
-    view = SimpleNamespace(snapshots={}, nodes={}, plan=None, generation=1)
+    view = running()
     etcd = _Puts()
-    k = SnapshotKeeper(root, "a", "a:1", view, etcd,  # type: ignore[arg-type]
+    k = SnapshotKeeper(root, "b", "b:1", view, etcd,  # type: ignore[arg-type]
                        SimpleNamespace(snapshot_holdings=lambda node: node.encode()),
-                       None, lambda: 7, publish_s=3600)  # type: ignore[arg-type]
+                       None, lambda: 7, publish_s=3600, peer_key=lambda: KEY)  # type: ignore[arg-type]
+    k.restored(1, 0)
     data = b"x" * 100
 
     async def scenario() -> None:
-        k.store(header(5, 0, data), data)
+        store(k, header(5, 0, data), data)
         await k._publish()
-        k.store(header(5, 1, data), data)
+        store(k, header(5, 1, data), data)
         await k._publish()  # changed, but within the period: waits
         assert k._unpublished
         view.generation = 2
@@ -251,18 +309,18 @@ def test_holdings_are_published_at_most_once_a_period_but_at_once_for_a_new_gene
     assert published == [(HeldStep(5, (0,), 0, False),), (HeldStep(5, (0, 1), 0, False),)]
 
 
-def _two_node_view(generation: int) -> SimpleNamespace:
+def _two_node_view(generation: int, restored: int = 0) -> SimpleNamespace:
     """Node a runs rank 0 (and so writes the manifest), b rank 1; both alive."""
-    ranks = {"a": (SimpleNamespace(global_rank=0),), "b": (SimpleNamespace(global_rank=1),)}
-    plan = SimpleNamespace(nodes=("a", "b"), ranks_of=lambda node: ranks.get(node, ()),
-                           generation=generation)
-    member = SimpleNamespace(record=SimpleNamespace(address="b:1"))
-    return SimpleNamespace(snapshots={}, nodes={"a": member, "b": member}, plan=plan,
-                           generation=generation, spec=None)
+    return running({"a": (0,), "b": (1,)}, generation, restored)
+
+
+def _sender(root: Path, view: SimpleNamespace, send) -> SnapshotKeeper:
+    return SnapshotKeeper(root, "a", "a:1", view, None, None, send,  # type: ignore[arg-type]
+                          lambda: 0, peer_key=lambda: KEY)
 
 
 def test_the_run_of_replicated_steps_follows_what_the_buddy_acknowledged(root):
-    view = _two_node_view(generation=2)
+    view = _two_node_view(generation=2, restored=8)
     sent: list[tuple[int, str]] = []
     refuse = {"on": False}
 
@@ -273,7 +331,7 @@ def test_the_run_of_replicated_steps_follows_what_the_buddy_acknowledged(root):
             raise ConnectionError("b is unreachable")
         sent.append((header.step, header.file))
 
-    k = SnapshotKeeper(root, "a", "a:1", view, None, None, send, lambda: 0)  # type: ignore[arg-type]
+    k = _sender(root, view, send)
 
     def run_of() -> tuple[int, int, int]:
         h = k.holdings()
@@ -295,6 +353,7 @@ def test_the_run_of_replicated_steps_follows_what_the_buddy_acknowledged(root):
         assert run_of() == (2, 9, 10)
         # Generation 3 restored step 9: the workers freed step 10 and train it again. It is
         # a new step 10, sent again, and the new run starts after the restored step.
+        view.plan = _two_node_view(3, restored=9).plan
         k.restored(3, 9)
         assert run_of() == (3, -1, -1)
         shutil.rmtree(step_dir(root, 10))
@@ -309,15 +368,17 @@ def test_the_run_of_replicated_steps_follows_what_the_buddy_acknowledged(root):
 def test_a_copy_received_before_a_restore_is_not_taken_for_a_peers_afterwards(root):
     """Generation 2's rank 0 ran on another node whose shard this node kept; from generation 3
     this node runs rank 0, and its own step 10 must go to its buddy."""
-    view = _two_node_view(generation=3)
+    view = running({"a": (1,), "b": (0,)}, generation=2)
     sent: list[tuple[int, str]] = []
 
     async def send(address, header, pieces) -> None:
         sent.append((header.step, header.file))
 
-    k = SnapshotKeeper(root, "a", "a:1", view, None, None, send, lambda: 0)  # type: ignore[arg-type]
+    k = _sender(root, view, send)
+    k.restored(2, 0)
     data = b"y" * 100
-    k.store(header(10, 0, data), data)
+    store(k, header(10, 0, data, sender="b", generation=2), data)
+    view.plan = _two_node_view(3, restored=9).plan
     k.restored(3, 9)
     shutil.rmtree(step_dir(root, 10))  # the restoring worker freed it
     make_step(root, 10, [100])
@@ -329,13 +390,13 @@ def test_a_file_that_appears_in_a_step_already_sent_is_sent_too(root):
     """A step whose files were all sent is skipped while nothing in it changes; a file that
     appears later (the manifest after the shards, within the same clock tick or not) changes
     the keeper's signature and goes out at the next pass."""
-    view = _two_node_view(generation=2)
+    view = _two_node_view(generation=2, restored=8)
     sent: list[tuple[int, str]] = []
 
     async def send(address, header, pieces) -> None:
         sent.append((header.step, header.file))
 
-    k = SnapshotKeeper(root, "a", "a:1", view, None, None, send, lambda: 0)  # type: ignore[arg-type]
+    k = _sender(root, view, send)
     k.restored(2, 8)
     make_step(root, 9, [100])
     manifest = step_dir(root, 9) / MANIFEST_NAME
@@ -360,7 +421,7 @@ def test_only_what_this_nodes_workers_finish_calls_for_a_pass(root):
     """A shard being written, a temporary file and a copy received from a peer leave the
     signature as it was; a finished shard's record and a manifest written here change it.
     Received copies make a pass of their own only once a publication period has passed."""
-    k = keeper(root, _two_node_view(generation=2))
+    k = keeper(root, _two_node_view(generation=2), node="a")
     k.publish_s = 0.5
     assert k._pass_due(k._signature(k._listing()), now=100.0)
     k._last_signature = k._signature(k._listing())
@@ -369,7 +430,7 @@ def test_only_what_this_nodes_workers_finish_calls_for_a_pass(root):
     (directory / shard_name(0)).write_bytes(b"x" * 10)  # being written
     (directory / (record_name(0) + ".tmp")).write_bytes(b"{}")
     data = b"y" * 100
-    k.store(header(9, 1, data), data)  # a peer's copy, and its record
+    store(k, header(9, 1, data, sender="b", generation=2), data)  # a peer's copy, and its record
     signature = k._signature(k._listing())
     assert signature == k._last_signature and not k._pass_due(signature, now=100.1)
     (directory / (record_name(0) + ".tmp")).rename(directory / record_name(0))
@@ -381,3 +442,20 @@ def test_only_what_this_nodes_workers_finish_calls_for_a_pass(root):
     assert not k._pass_due(k._last_signature, now=100.2)
     assert k._pass_due(k._last_signature, now=100.6)  # the peer's copy, a period later
     assert not k._pass_due(k._last_signature, now=100.7)
+
+
+def test_only_shards_of_the_ranks_this_node_trains_now_are_sent(root):
+    """Step 9 was written in generation 1, when a trained ranks 0 and 1 (and wrote the
+    manifest); generation 2 restored it with rank 0 on b. b accepts from a only rank 1's shard
+    now, so nothing else is sent (it would be refused, again at every poll)."""
+    view = running({"a": (1,), "b": (0,)}, generation=2, restored=9)
+    sent: list[tuple[int, str]] = []
+
+    async def send(address, header, pieces) -> None:
+        sent.append((header.step, header.file))
+
+    k = _sender(root, view, send)
+    k.restored(2, 9)
+    make_step(root, 9, [100, 100])
+    asyncio.run(k._replicate(k._listing(), ()))
+    assert sent == [(9, shard_name(1))]

@@ -155,3 +155,19 @@ def test_a_restore_that_loses_steps_says_why_memory_could_not_serve_it():
     r = only(decide(s), StartGeneration).plan.restore
     assert (r.source, r.step) == ("checkpoint", 40)
     assert r.reason == "no snapshot the live nodes hold whole is newer"
+
+
+def test_a_step_far_beyond_what_the_job_reached_is_never_restored():
+    """Defence in depth behind the keepers' own window (copy_admission.py): even if the live
+    members held a whole forged step far in the future, the leader restores the newest step
+    within the window after the progress it has seen."""
+    held = ring_of_three(41)
+    del held["b"]
+    forged = HeldStep(99_999_999, (0, 1, 2), 3, True)
+    held["a"] = holds("a", forged, *held["a"].steps)
+    r = only(decide(failed_b(holdings=held)), StartGeneration).plan.restore
+    assert (r.source, r.step) == ("snapshot", 41)
+    # Progress is at 42 (snap's default); a step within the window of it is still restored.
+    held["a"] = holds("a", HeldStep(44, (0, 1, 2), 3, True), *held["a"].steps)
+    r = only(decide(failed_b(holdings=held)), StartGeneration).plan.restore
+    assert (r.source, r.step) == ("snapshot", 44)

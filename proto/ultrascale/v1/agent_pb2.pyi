@@ -386,7 +386,7 @@ class HoldingsReply(_message.Message):
     def __init__(self, holdings_json: _Optional[str] = ...) -> None: ...
 
 class FileChunk(_message.Message):
-    __slots__ = ("step", "file", "size", "chunks", "chunk_bytes", "rank", "data")
+    __slots__ = ("step", "file", "size", "chunks", "chunk_bytes", "rank", "data", "sender", "spec_revision", "generation", "mac")
     STEP_FIELD_NUMBER: _ClassVar[int]
     FILE_FIELD_NUMBER: _ClassVar[int]
     SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -394,6 +394,10 @@ class FileChunk(_message.Message):
     CHUNK_BYTES_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
+    SENDER_FIELD_NUMBER: _ClassVar[int]
+    SPEC_REVISION_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    MAC_FIELD_NUMBER: _ClassVar[int]
     step: int
     file: str
     size: int
@@ -401,7 +405,11 @@ class FileChunk(_message.Message):
     chunk_bytes: int
     rank: int
     data: bytes
-    def __init__(self, step: _Optional[int] = ..., file: _Optional[str] = ..., size: _Optional[int] = ..., chunks: _Optional[_Iterable[int]] = ..., chunk_bytes: _Optional[int] = ..., rank: _Optional[int] = ..., data: _Optional[bytes] = ...) -> None: ...
+    sender: str
+    spec_revision: int
+    generation: int
+    mac: bytes
+    def __init__(self, step: _Optional[int] = ..., file: _Optional[str] = ..., size: _Optional[int] = ..., chunks: _Optional[_Iterable[int]] = ..., chunk_bytes: _Optional[int] = ..., rank: _Optional[int] = ..., data: _Optional[bytes] = ..., sender: _Optional[str] = ..., spec_revision: _Optional[int] = ..., generation: _Optional[int] = ..., mac: _Optional[bytes] = ...) -> None: ...
 
 class FileAck(_message.Message):
     __slots__ = ("step", "file", "error")

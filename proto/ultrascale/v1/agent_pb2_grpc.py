@@ -848,8 +848,10 @@ class WorkerControl:
 
 class SnapshotPeerStub:
     """---------------------------------------------------------------------------------------------
-    Agent-to-agent snapshot replication (docs/snapshots.md). Calls carry the job's peer secret
-    (`authorization: Bearer <secret>`, the secret in etcd under the job's `peer_secret` key).
+    Agent-to-agent snapshot replication (docs/snapshots.md). Calls carry the job submission's
+    peer key (`authorization: Bearer <key>`), which agents read from etcd under
+    `/ultrascale-private/<job>/peer_key`, a prefix only the agents' etcd role may read; it is
+    replaced with each job submission.
 
     """
 
@@ -878,16 +880,20 @@ class SnapshotPeerStub:
 
 class SnapshotPeerServicer:
     """---------------------------------------------------------------------------------------------
-    Agent-to-agent snapshot replication (docs/snapshots.md). Calls carry the job's peer secret
-    (`authorization: Bearer <secret>`, the secret in etcd under the job's `peer_secret` key).
+    Agent-to-agent snapshot replication (docs/snapshots.md). Calls carry the job submission's
+    peer key (`authorization: Bearer <key>`), which agents read from etcd under
+    `/ultrascale-private/<job>/peer_key`, a prefix only the agents' etcd role may read; it is
+    replaced with each job submission.
 
     """
 
     def Replicate(self, request_iterator, context):
         """Copies of a peer's snapshot files, over one long-lived stream per pair of agents: each
         file is a message that names it (and carries its first data), then data in order until
-        its size. The receiver verifies each file against its chunk checksums before it keeps it,
-        and answers one FileAck per file, in order.
+        its size. The receiver checks the header's signature and that it accepts such a copy
+        (docs/snapshots.md, "Who is accepted"), writes the data to a temporary file verifying
+        each chunk as it completes, keeps the file only once it is whole, and answers one FileAck
+        per file, in order.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -936,8 +942,10 @@ def add_SnapshotPeerServicer_to_server(servicer, server):
  # This class is part of an EXPERIMENTAL API.
 class SnapshotPeer:
     """---------------------------------------------------------------------------------------------
-    Agent-to-agent snapshot replication (docs/snapshots.md). Calls carry the job's peer secret
-    (`authorization: Bearer <secret>`, the secret in etcd under the job's `peer_secret` key).
+    Agent-to-agent snapshot replication (docs/snapshots.md). Calls carry the job submission's
+    peer key (`authorization: Bearer <key>`), which agents read from etcd under
+    `/ultrascale-private/<job>/peer_key`, a prefix only the agents' etcd role may read; it is
+    replaced with each job submission.
 
     """
 
