@@ -91,12 +91,13 @@ _METADATA_GLOBALS: Mapping[tuple[str, str], Any] = MappingProxyType({
 
 
 class _Restricted(pickle.Unpickler):
-    def __init__(self, data: bytes, allowed: Mapping[tuple[str, str], Any]) -> None:
-        super().__init__(io.BytesIO(data))
-        self._allowed = allowed
+    """An unpickler that resolves only the globals in `allowed` (a class attribute, so that
+    making one per byte item costs no Python-level __init__: a restore makes hundreds)."""
+
+    allowed: Mapping[tuple[str, str], Any] = MappingProxyType({})
 
     def find_class(self, module: str, name: str) -> Any:
-        found = self._allowed.get((module, name))
+        found = self.allowed.get((module, name))
         if found is None:
             raise UnsafePickle(f"it calls {module}.{name}, which no checkpoint needs")
         return found
@@ -105,9 +106,17 @@ class _Restricted(pickle.Unpickler):
         raise UnsafePickle("it refers to a persistent object, which no checkpoint needs")
 
 
-def _load(data: bytes, allowed: Mapping[tuple[str, str], Any]) -> Any:
+class _MetadataUnpickler(_Restricted):
+    allowed = _METADATA_GLOBALS
+
+
+class _ValueUnpickler(_Restricted):
+    allowed = _VALUE_GLOBALS
+
+
+def _load(data: bytes, unpickler: type[_Restricted]) -> Any:
     try:
-        return _Restricted(data, allowed).load()
+        return unpickler(io.BytesIO(data)).load()
     except UnsafePickle as exc:
         raise UnsafePickle(f"refused: {exc}") from None
     # Whatever else a malformed pickle raises from the allowed constructors: the file is bad.
@@ -118,7 +127,7 @@ def _load(data: bytes, allowed: Mapping[tuple[str, str], Any]) -> Any:
 
 def load_metadata(data: bytes) -> Metadata:
     """DCP `Metadata` from the bytes of a `.metadata` file, resolving only its own classes."""
-    metadata = _load(data, _METADATA_GLOBALS)
+    metadata = _load(data, _MetadataUnpickler)
     if not isinstance(metadata, Metadata):
         raise UnsafePickle(f"refused: it holds a {type(metadata).__name__}, not DCP Metadata")
     return metadata
@@ -126,7 +135,7 @@ def load_metadata(data: bytes) -> Metadata:
 
 def load_value(data: bytes) -> Any:
     """A snapshot byte item's value: plain data only."""
-    return _load(data, _VALUE_GLOBALS)
+    return _load(data, _ValueUnpickler)
 
 
 _TORCH_GLOBAL = re.compile(r"GLOBAL (\S+?)[\s,]")
