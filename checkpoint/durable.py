@@ -2,15 +2,20 @@
 
 Every rank checksums the files it writes as it writes them; rank 0 writes the manifest from
 everyone's checksums once its save future completes: DCP's coordinator writes `.metadata` only
-after gathering every rank's write results (ours ride along), so by then all shards are on disk
-and fsynced. A restore verifies in parallel: each rank checks the blocks it will read
-(checkpoint/checksummed_storage.py). Checkpoint collectives run on their own gloo group, because
-the upload runs in a background thread while training collectives use the default group.
+after gathering every rank's write results (ours ride along), so by then all shards are on disk,
+flushed and fsynced with their directory, and so is `.metadata` (checkpoint/checksummed_storage.py).
+A restore verifies in parallel: each rank checks the blocks it will read, and nothing it reads is
+unpickled but by an allow-list (checkpoint/safe_unpickle.py): a checkpoint that would need more
+is invalid like a corrupt one. Checkpoint collectives run on their own gloo group, because the
+upload runs in a background thread while training collectives use the default group.
 
-With `fragments` (checkpoint.storage "node") each node's root is its own disk: every rank's
-shards land on its node and the manifest and `.metadata` on global rank 0's. Nobody reads another
-rank's file to write one (the manifest's checksums come from the writers), retention goes by age
-(`prune_fragments`) on every node, and a restore loads exactly the step it is asked for.
+Retention runs only after a commit and never takes the newest committed checkpoint, nor one a
+failed save left behind that is newer than it (docs/checkpoints.md, "Retention"). With
+`fragments` (checkpoint.storage "node") each node's root is its own disk: every rank's shards
+land on its node and the manifest and `.metadata` on global rank 0's. Nobody reads another rank's
+file to write one (the manifest's checksums come from the writers); only rank 0's node knows
+which steps were committed, so `wait` hands that list to every rank, and each prunes its own
+node by it (`prune_fragments`). A restore loads exactly the step it is asked for.
 """
 
 from __future__ import annotations
@@ -30,18 +35,20 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata
 
 from checkpoint.checksum import CURRENT, Scheme
-from checkpoint.checksummed_storage import ChecksummingWriter, VerifyingReader
+from checkpoint.checksummed_storage import ChecksummingWriter, VerifyingReader, read_dcp_metadata
 from checkpoint.manifest import (
     CheckpointInvalid,
     Manifest,
     apply_retention,
     check_manifest,
     checkpoint_dir,
+    committed_steps,
     list_checkpoints,
     prune_fragments,
     verify_whole,
     write_manifest,
 )
+from checkpoint.safe_unpickle import SafeLoadPlanner
 from checkpoint.state import TrainState
 
 
@@ -98,8 +105,6 @@ class CheckpointManager:
             future.add_done_callback(
                 lambda f: self._commit(f, writer, path, step, consumed, started)
             )
-        elif self.fragments:
-            future.add_done_callback(lambda f: self._prune_node(f))
         self._pending = future
 
     def _commit(
@@ -126,9 +131,7 @@ class CheckpointManager:
                 present=present,
             )
             self.commits.append((step, path, time.monotonic() - started))
-            if self.fragments:
-                prune_fragments(self.root, self.keep)
-            else:
+            if not self.fragments:  # else every rank prunes its node in `wait`
                 apply_retention(self.root, self.keep)
         except Exception as exc:  # reported, never raised into DCP's executor thread
             self._error = f"checkpoint {path.name} failed: {exc}"
@@ -136,25 +139,37 @@ class CheckpointManager:
         finally:
             self._committed.set()
 
-    def _prune_node(self, future: Future) -> None:
-        """After this rank's part of a save on a node-local root: its node's retention (the
-        other nodes never see these directories)."""
-        try:
-            if future.exception() is None:
-                prune_fragments(self.root, self.keep)
-        except OSError as exc:  # logged, never raised into DCP's executor thread
-            self.log(f"pruning checkpoints under {self.root} failed: {exc}")
-
     def wait(self) -> None:
-        """Block until the pending save (and on rank 0 its manifest) is done."""
+        """Block until the pending save (and on rank 0 its manifest) is done.
+
+        On node-local roots, when a save was pending, every node's retention follows: a
+        collective, as every rank saves (and so waits) alike."""
         if self._pending is not None:
             pending, self._pending = self._pending, None
             pending.result()
+            if self.fragments:
+                self._committed.wait()
+                self._prune_nodes()
         # Done-callbacks run after result() wakes its waiters: wait for the manifest itself.
         self._committed.wait()
         if self._error:
             error, self._error = self._error, None
             raise RuntimeError(error)
+
+    def _prune_nodes(self) -> None:
+        """Every rank prunes its node's root by the steps committed on rank 0's (the only root
+        holding manifests), once rank 0's commit of the last save is done or failed."""
+        committed: list[list[int] | None] = [None]
+        if self.rank == 0:
+            try:
+                committed[0] = committed_steps(self.root)
+            except OSError as exc:  # nothing known committed: every node then keeps all
+                self.log(f"listing checkpoints under {self.root} failed: {exc}")
+        dist.broadcast_object_list(committed, src=0, group=self.group)
+        try:
+            prune_fragments(self.root, self.keep, committed[0] or [])
+        except OSError as exc:  # a full disk must not stop training: the next save retries
+            self.log(f"pruning checkpoints under {self.root} failed: {exc}")
 
     def load_latest(self, state: TrainState) -> Path | None:
         """Load the newest checkpoint that verifies into `state`, all ranks in step.
@@ -199,6 +214,7 @@ class CheckpointManager:
         problem = ""
         try:
             verify_whole(path, manifest, [".metadata"])  # DCP's planning reads it on every rank
+            read_dcp_metadata(path)
         except CheckpointInvalid as e:
             problem = str(e)
         problems: list[str] = [""] * dist.get_world_size(self.group)
@@ -214,9 +230,10 @@ class CheckpointManager:
         found the checkpoint invalid, on every rank alike; any other failure raises."""
         reader = self.last_reader = VerifyingReader(path, manifest, group=self.group)
         try:
-            dcp.load({"state": state}, storage_reader=reader, process_group=self.group)
+            dcp.load({"state": state}, storage_reader=reader, planner=SafeLoadPlanner(),
+                     process_group=self.group)
         except CheckpointException:
-            if reader.invalid is None:
+            if not reader.agree_invalid():
                 raise
             return reader
         return None
@@ -228,6 +245,7 @@ class CheckpointManager:
                 # checks them for everyone; the data files are each reader's to check.
                 manifest = check_manifest(path)
                 verify_whole(path, manifest, [".metadata"])
+                read_dcp_metadata(path)  # refused when it would need more than DCP's classes
                 return path, manifest
             except CheckpointInvalid as e:
                 self.log(f"checkpoint {path.name} is invalid ({e}); trying an older one")

@@ -40,8 +40,9 @@ from checkpoint.manifest_format import (
 __all__ = [
     "FORMAT", "FORMAT_VERSION", "MANIFEST_NAME", "READABLE_VERSIONS", "TMP_SUFFIX",
     "CheckpointInvalid", "FileEntry", "Manifest", "apply_retention", "check_manifest",
-    "checkpoint_dir", "latest_valid", "list_checkpoints", "prune_fragments", "read_manifest",
-    "verify", "verify_reads", "verify_whole", "write_manifest",
+    "checkpoint_dir", "committed_steps", "fsync_dir", "latest_valid", "list_checkpoints",
+    "prune_fragments", "read_manifest", "verify", "verify_reads", "verify_whole",
+    "write_manifest",
 ]
 
 _STEP_DIR = re.compile(r"step_(\d{8,})")
@@ -75,8 +76,11 @@ def write_manifest(
     limits the size check of reported files to those paths: on a node-local directory
     (checkpoint.storage "node") the other nodes' shards are not here, and their writers' own
     entries are all there is to know of them. Call only
-    after the DCP save has finished on every rank: from the moment this returns, the directory is
-    a checkpoint, durably.
+    after the DCP save has finished on every rank, with every file it lists fsynced
+    (checkpoint/checksummed_storage.py does; `files=None` reads and fsyncs each one here): the
+    directories are fsynced here, then the manifest is written to a temporary file, fsynced,
+    renamed into place and the directory fsynced again. From the moment this returns, the
+    directory is a checkpoint, durably.
     """
     ckpt_dir = Path(ckpt_dir)
     if step < 0 or consumed_samples < 0:
@@ -86,8 +90,9 @@ def write_manifest(
         files = tuple(_describe(ckpt_dir, rel, scheme) for rel in rel_paths)
     else:
         files = _check_reported(ckpt_dir, files, scheme, present)
-    for sub in subdirs:
-        _fsync_dir(sub)
+    # Every entry (DCP renames `.metadata` into place) must be durable before the manifest is.
+    for sub in (*subdirs, ckpt_dir):
+        fsync_dir(sub)
     manifest = Manifest(
         step=step,
         consumed_samples=consumed_samples,
@@ -101,7 +106,7 @@ def write_manifest(
     _write_atomically(path, json.dumps(manifest.to_json(), indent=1).encode())
     # The step directory's own entry in root must be durable too: retention deletes the previous
     # checkpoint right after this returns, and a crash must not leave neither.
-    _fsync_dir(ckpt_dir.parent)
+    fsync_dir(ckpt_dir.parent)
     return path
 
 
@@ -126,8 +131,8 @@ def _walk(ckpt_dir: Path) -> tuple[list[str], list[Path]]:
 def _describe(ckpt_dir: Path, rel: str, scheme: Scheme) -> FileEntry:
     with open(ckpt_dir / rel, "rb") as f:
         size, digests = digest_stream(f, scheme)
-        # The manifest promises these bytes survive a crash. DCP already fsyncs with
-        # sync_files=True, so this is nearly free then, and it covers writers that don't.
+        # The manifest promises these bytes survive a crash: nearly free after a writer that
+        # fsyncs (ours does), and it covers those that don't.
         os.fsync(f.fileno())
     return FileEntry(path=rel, size=size, digests=digests)
 
@@ -166,11 +171,12 @@ def _write_atomically(path: Path, data: bytes) -> None:
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
-    _fsync_dir(path.parent)
+    fsync_dir(path.parent)
 
 
-def _fsync_dir(path: Path) -> None:
-    # A rename or create is durable only once the directory holding the entry is synced.
+def fsync_dir(path: Path) -> None:
+    """Make the entries of directory `path` durable: a create or rename is durable only once
+    the directory holding the entry is synced."""
     fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
     try:
         os.fsync(fd)
@@ -303,12 +309,28 @@ def latest_valid(
     return None
 
 
+def committed_steps(root: Path) -> list[int]:
+    """The steps under `root` whose manifest parses and matches its directory, newest first:
+    the checkpoints that were committed (their files unchecked)."""
+    committed = []
+    for step, path in list_checkpoints(root):
+        try:
+            check_manifest(path)
+        except CheckpointInvalid:
+            continue
+        committed.append(step)
+    return committed
+
+
 def apply_retention(root: Path, keep: int) -> list[Path]:
     """Keep the newest `keep` valid checkpoints; remove older ones and older broken directories.
 
-    Directories newer than the newest valid checkpoint are left alone: one may be in the middle
-    of an async save. Validity here is sizes only: retention runs every checkpoint and must not
-    re-read gigabytes; a resume verifies checksums anyway. Returns the removed directories.
+    Run it only once a checkpoint has just been committed, with no save in flight. Directories
+    newer than the newest valid checkpoint are left alone (one may be a save about to start
+    again), and the newest valid one is never removed, so a failed or half-written save never
+    costs the last good checkpoint. Validity here is sizes only: retention runs every checkpoint
+    and must not re-read gigabytes; a resume verifies checksums anyway. Returns the removed
+    directories.
     """
     if keep < 1:
         raise ValueError(f"checkpoint.keep must be >= 1 (got {keep})")
@@ -329,18 +351,26 @@ def apply_retention(root: Path, keep: int) -> list[Path]:
     return removed
 
 
-def prune_fragments(root: Path, keep: int) -> list[Path]:
-    """Keep the newest `keep` step directories of a node-local root (checkpoint.storage "node").
+def prune_fragments(root: Path, keep: int, committed: Sequence[int]) -> list[Path]:
+    """Retention on a node-local root (checkpoint.storage "node"), given the `committed` steps.
 
     Such a directory holds only this node's shards (and, on global rank 0's node, the manifest
-    and `.metadata`), so it cannot be verified here: age alone decides. Every rank of a node may
-    prune the same root at once, so a directory another one removed first is not an error.
-    Returns the removed directories.
+    and `.metadata`), so whether it is a checkpoint is known only where the manifests are:
+    `committed` is what global rank 0's root holds (`committed_steps`). The newest `keep`
+    committed steps stay; older committed ones go; a step never committed goes only when it is
+    older than the newest committed one (a failed save's leftovers), so with nothing committed
+    nothing goes. Run it with no save in flight. Every rank of a node may prune the same root
+    at once, so a directory another one removed first is not an error. Returns the removed
+    directories.
     """
     if keep < 1:
         raise ValueError(f"checkpoint.keep must be >= 1 (got {keep})")
+    newest_first = sorted(set(committed), reverse=True)
+    kept = set(newest_first[:keep])
     removed: list[Path] = []
-    for _, path in list_checkpoints(root)[keep:]:
+    for step, path in list_checkpoints(root):
+        if step in kept or not newest_first or step > newest_first[0]:
+            continue
         (path / MANIFEST_NAME).unlink(missing_ok=True)
         shutil.rmtree(path, ignore_errors=True)
         removed.append(path)
@@ -351,5 +381,5 @@ def _remove(path: Path) -> None:
     # Manifest first: the checkpoint stops existing at one atomic point, so a crash mid-delete
     # leaves a directory that is plainly not a checkpoint rather than one missing a shard.
     (path / MANIFEST_NAME).unlink(missing_ok=True)
-    _fsync_dir(path)
+    fsync_dir(path)
     shutil.rmtree(path)

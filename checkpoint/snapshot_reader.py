@@ -7,7 +7,10 @@ needs for its new layout, so resharding to any world size is DCP's, not ours.
 
 Nothing is loaded unless everything verifies: every rank fetches and verifies all it needs in
 `prepare_local_plan`, then the ranks agree (one all-reduce) before any of them writes a tensor,
-so a bad chunk on any rank fails every rank with the state untouched.
+so a bad chunk on any rank fails every rank with the state untouched. Verifying includes what a
+checksum cannot vouch for: `.metadata` and every byte item are unpickled by an allow-list
+(checkpoint/safe_unpickle.py), and each tensor's dtype, shape and length must agree, so a forged
+snapshot whose checksums match is refused like a corrupt one and nothing in it runs.
 
 DCP runs with `no_dist`: a load plan is local to its rank anyway (a rank reads what its own
 shards need), and DCP's own coordination, gathering every rank's plan to rank 0, scattering
@@ -21,8 +24,8 @@ from __future__ import annotations
 
 import bisect
 import io
+import math
 import os
-import pickle
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -31,14 +34,13 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed._shard._utils import narrow_tensor_by_index
-from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
-from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
+from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner
 from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
+from checkpoint.safe_unpickle import SafeLoadPlanner, UnsafePickle, load_metadata, load_value
 from checkpoint.snapshot_format import (
     MANIFEST_NAME,
     METADATA_NAME,
@@ -60,6 +62,8 @@ Fetch = Callable[[str, int, int], bytes]
 # agree(this rank's failure, "" for none): every failing rank's reason, joined ("" for none).
 # A collective: every rank calls it the same number of times.
 Agree = Callable[[str], str]
+_DTYPES = {str(d).removeprefix("torch."): d for d in vars(torch).values()
+           if isinstance(d, torch.dtype)}
 
 
 def agreement(group: dist.ProcessGroup | None = None) -> Agree:
@@ -95,6 +99,7 @@ class SnapshotReader(StorageReader):
         self.manifest: SnapshotManifest | None = None
         self.storage_data: dict[MetadataIndex, SnapshotItem] = {}
         self._verified: dict[MetadataIndex, bytes] = {}
+        self._values: dict[MetadataIndex, Any] = {}  # byte items, unpickled safely
         self._records: dict[str, FileEntry] = {}
         self.failure: SnapshotInvalid | None = None
         # What the agreement returned (None: not reached): "" none failed, else every reason.
@@ -103,7 +108,7 @@ class SnapshotReader(StorageReader):
     def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
         if checkpoint_id is not None:
             raise ValueError("SnapshotReader reads through its fetch; pass checkpoint_id=None")
-        self._verified = {}
+        self._verified, self._values = {}, {}
 
     def _entry(self, file: str, where: str) -> FileEntry:
         """The manifest's entry for `file`, with its chunk checksums: a shard's come from its
@@ -122,10 +127,13 @@ class SnapshotReader(StorageReader):
             self._records[file] = parse_record(raw, self.step, entry, where)
         return self._records[file]
 
+    def _where(self, file: str) -> str:
+        assert self.manifest is not None
+        return f"snapshot step {self.step}: file {file} (rank {self.manifest.file(file).rank})"
+
     def _get(self, file: str, offset: int, length: int) -> bytes:
         """Bytes [offset, offset + length) of `file`, fetched chunk-aligned and verified."""
-        assert self.manifest is not None
-        where = f"snapshot step {self.step}: file {file} (rank {self.manifest.file(file).rank})"
+        where = self._where(file)
         entry = self._entry(file, where)
         start, end = chunk_span(entry, offset, length, where)
         try:
@@ -156,10 +164,15 @@ class SnapshotReader(StorageReader):
             raise SnapshotInvalid(f"{where}: field 'step' is {self.manifest.step}, not {self.step}")
         entry = self.manifest.file(METADATA_NAME)
         blob = self._get(METADATA_NAME, 0, entry.size)
-        # Unpickling, as DCP's own reader does: the bytes passed the manifest's checksums.
-        metadata = pickle.loads(blob)
-        if not isinstance(metadata, Metadata):
-            raise SnapshotInvalid(f"snapshot step {self.step}: {METADATA_NAME} is not DCP Metadata")
+        try:
+            # Checksums say these are the bytes the manifest lists, not that its writer was
+            # honest: only DCP's own classes may come out of it.
+            metadata = load_metadata(blob)
+        except UnsafePickle as exc:
+            raise SnapshotInvalid(f"{self._where(METADATA_NAME)}: {exc}") from None
+        if not all(_is_item(v) for v in (metadata.storage_data or {}).values()):
+            raise SnapshotInvalid(f"snapshot step {self.step}: file {METADATA_NAME}: its storage "
+                                  "data is not a snapshot's")
         return metadata
 
     def set_up_storage_reader(
@@ -187,11 +200,14 @@ class SnapshotReader(StorageReader):
         return plan
 
     def _fetch_and_verify(self, plan: LoadPlan) -> None:
-        self._verified = {}
+        self._verified, self._values = {}, {}
         by_file: dict[str, list[MetadataIndex]] = {}
         for read_item in plan.items:
             index = read_item.storage_index
-            by_file.setdefault(self.storage_data[index].file, []).append(index)
+            item = self.storage_data[index]
+            if read_item.type != LoadItemType.BYTE_IO:
+                self._check_tensor(item, index)
+            by_file.setdefault(item.file, []).append(index)
         for file, indices in by_file.items():
             items = [self.storage_data[i] for i in indices]
             spans = _merge((item.offset, item.offset + item.length) for item in items)
@@ -201,6 +217,28 @@ class SnapshotReader(StorageReader):
                 k = bisect.bisect_right(starts, item.offset) - 1
                 begin = item.offset - starts[k]
                 self._verified[index] = fetched[k][begin : begin + item.length]
+        for read_item in plan.items:
+            if read_item.type == LoadItemType.BYTE_IO:
+                index = read_item.storage_index
+                file = self.storage_data[index].file
+                try:
+                    self._values[index] = load_value(
+                        unslot(self._verified[index], self.step, file))
+                except UnsafePickle as exc:
+                    raise SnapshotInvalid(
+                        f"{self._where(file)}: byte item {index.fqn} {exc}") from None
+
+    def _check_tensor(self, item: SnapshotItem, index: MetadataIndex) -> None:
+        """A tensor item's dtype, shape and length agree (else the reader would fail halfway
+        through writing the state, or build a tensor from the wrong bytes)."""
+        dtype = _DTYPES.get(item.dtype) if isinstance(item.dtype, str) else None
+        shape = item.shape
+        if dtype is None or not isinstance(shape, tuple) or not all(
+                isinstance(n, int) and n >= 0 for n in shape) or \
+                math.prod(shape) * dtype.itemsize != item.length:
+            raise SnapshotInvalid(
+                f"snapshot step {self.step}: file {item.file}: {index.fqn} is stored as "
+                f"{item.dtype!r} of shape {shape!r} in {item.length} bytes, which do not agree")
 
     def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
         return plans
@@ -212,10 +250,12 @@ class SnapshotReader(StorageReader):
             if data is None:  # a planner that changed the plan after prepare_local_plan
                 data = self._get(item.file, item.offset, item.length)
             if read_item.type == LoadItemType.BYTE_IO:
-                # Stored as a plain pickle (snapshot_writer._pickled); the bytes passed their
-                # checksums. Another planner wants DCP's torch.save form.
-                value = pickle.loads(unslot(data, self.step, item.file))
-                if isinstance(planner, SnapshotLoadPlanner):
+                # Unpickled (by the allow-list) before the ranks agreed. Another planner wants
+                # DCP's torch.save form.
+                value = self._values[read_item.storage_index] \
+                    if read_item.storage_index in self._values else \
+                    load_value(unslot(data, self.step, item.file))
+                if isinstance(planner, SafeLoadPlanner):
                     planner.load_value(read_item, value)
                 else:
                     buffer = io.BytesIO()
@@ -223,11 +263,8 @@ class SnapshotReader(StorageReader):
                     buffer.seek(0)
                     planner.load_bytes(read_item, buffer)
                 continue
-            if item.dtype is None:
-                raise SnapshotInvalid(
-                    f"snapshot step {self.step}: file {item.file}: a tensor is stored as bytes"
-                )
-            dtype = getattr(torch, item.dtype)
+            self._check_tensor(item, read_item.storage_index)
+            dtype = _DTYPES[item.dtype]
             tensor = torch.frombuffer(bytearray(data), dtype=dtype).view(item.shape) if data else (
                 torch.empty(item.shape, dtype=dtype)
             )
@@ -240,7 +277,7 @@ class SnapshotReader(StorageReader):
                 )
             target.copy_(tensor)
             planner.commit_tensor(read_item, target)
-        self._verified = {}
+        self._verified, self._values = {}, {}
         future: Future[None] = Future()
         future.set_result(None)
         return future
@@ -250,10 +287,10 @@ class SnapshotReader(StorageReader):
         return False
 
 
-class SnapshotLoadPlanner(DefaultLoadPlanner):
-    """DCP's default load planner, taking a byte item's value as is: a snapshot stores plain
-    pickles, and a round trip through torch.save/torch.load cost 0.2 ms for each of the
-    optimizer's hundreds of hyper-parameter entries. With a `reader`, a plan that cannot be
+class SnapshotLoadPlanner(SafeLoadPlanner):
+    """DCP's default load planner, taking a byte item's value as the reader unpickled it: a
+    snapshot stores plain pickles, and a round trip through torch.save/torch.load cost 0.2 ms for
+    each of the optimizer's hundreds of hyper-parameter entries. With a `reader`, a plan that cannot be
     made (the snapshot lacks a key of the state, or the reader already failed) is an empty one
     and the reader's failure, so that the rank still reaches the agreement."""
 
@@ -272,11 +309,12 @@ class SnapshotLoadPlanner(DefaultLoadPlanner):
                     f"snapshot step {self.reader.step} does not fit the state: {exc}"[:1000])
         return LoadPlan([])
 
-    def load_value(self, read_item: ReadItem, value: Any) -> None:
-        if self.flatten_state_dict:
-            set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], value)
-        else:
-            self.state_dict[read_item.dest_index.fqn] = value
+
+def _is_item(value: Any) -> bool:
+    """Whether `value` is a SnapshotItem whose file and byte range are of the right types."""
+    return isinstance(value, SnapshotItem) and isinstance(value.file, str) and all(
+        isinstance(n, int) and not isinstance(n, bool) and n >= 0
+        for n in (value.offset, value.length))
 
 
 def _merge(ranges: Any) -> list[tuple[int, int]]:

@@ -6,6 +6,10 @@ The files outlive the worker: the node's agent, not the worker, frees them.
 
 The coordinator writes DCP's `.metadata` and then the manifest, last: a snapshot whose writer
 died at any earlier point has no manifest and is never complete.
+
+A restore unpickles `.metadata` and the byte items by an allow-list (checkpoint/safe_unpickle.py).
+A full save checks that what it wrote passes it, so a state holding anything else fails its
+snapshot loudly here rather than every restore of it later.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
 from checkpoint import snapshot_fastpath as fastpath
+from checkpoint.safe_unpickle import UnsafePickle, load_metadata, load_value
 from checkpoint.snapshot_format import (
     CHUNK_BYTES,
     MANIFEST_NAME,
@@ -200,7 +205,7 @@ class SnapshotWriter(StorageWriter):
         for item in plan.items:
             data = planner.resolve_data(item)
             if item.type == WriteItemType.BYTE_IO:
-                raw = slot(_pickled(planner, item, data))
+                raw = slot(_restorable(_pickled(planner, item, data), item.index.fqn))
                 payloads.append(_Payload(item, raw, offset, len(raw)))
                 offset += len(raw)
             else:
@@ -288,6 +293,11 @@ class SnapshotWriter(StorageWriter):
                     storage[result.index] = result.storage_data
         metadata.storage_data = storage
         blob = pickle.dumps(metadata)
+        try:
+            load_metadata(blob)
+        except UnsafePickle as exc:
+            raise ValueError(f"snapshot step {self.step}: {METADATA_NAME} would not restore: "
+                             f"{exc}") from None
         # Shard checksums stay in each rank's record: a later snapshot of the generation, which
         # no collective gathers, writes the same manifest with only the step changed.
         shards = tuple(dataclasses.replace(f, chunks=None) for f in sorted(files,
@@ -308,7 +318,16 @@ def _pickled(planner: SavePlanner, item: Any, resolved: Any) -> bytes:
     if lookup is not None:
         return pickle.dumps(lookup(item.index))
     assert isinstance(resolved, io.BytesIO)
-    return pickle.dumps(torch.load(io.BytesIO(resolved.getvalue()), weights_only=False))
+    return pickle.dumps(torch.load(io.BytesIO(resolved.getvalue()), weights_only=True))
+
+
+def _restorable(raw: bytes, fqn: str) -> bytes:
+    """`raw` once a restore's unpickler takes it (ValueError: it would refuse it)."""
+    try:
+        load_value(raw)
+    except UnsafePickle as exc:
+        raise ValueError(f"snapshot byte item {fqn} would not restore: {exc}") from None
+    return raw
 
 
 def _record_json(step: int, entry: FileEntry) -> bytes:

@@ -4,14 +4,20 @@ Four gloo ranks train a small FSDP2 MLP and save two checkpoints (steps 1 and 2)
 CheckpointManager; the loads below run on 4, 3 or 2 ranks into a differently-seeded model and are
 compared, tensor for tensor, with the full state rank 0 recorded at save time. Checksum blocks are
 4 KiB here (16 MiB in production) so that one rank's reads cover only part of a file.
+
+A checkpoint whose manifest is valid but whose `.metadata` or a byte item is a pickle that would
+run code is refused like a corrupt one, and nothing in it runs (docs/checkpoints.md, "Loading").
 """
 
 from __future__ import annotations
 
 import hashlib
+import io
 import json
+import os
 import pickle
 import re
+import shlex
 import shutil
 from datetime import timedelta
 from pathlib import Path
@@ -29,7 +35,7 @@ from torch.distributed.fsdp import fully_shard
 
 from bench.ranks import free_port, init_gloo_rank
 from checkpoint.checksum import CRC32C, Scheme
-from checkpoint.manifest import MANIFEST_NAME, read_manifest, verify
+from checkpoint.manifest import MANIFEST_NAME, read_manifest, verify, write_manifest
 
 pytestmark = pytest.mark.distributed
 
@@ -121,8 +127,10 @@ def _rank(rank: int, world: int, port: int, mode: str, root: str, out: str) -> N
         }
         full = _full(state)
         if rank == 0 and loaded is not None:
-            want = torch.load(Path(out) / f"reference_{state.progress.step}.pt")
-            result["differences"] = _differences(full, want)
+            want = Path(out) / f"reference_{state.progress.step}.pt"
+            result["differences"] = (
+                _differences(full, torch.load(want)) if want.exists()
+                else [f"loaded step {state.progress.step}, which no save wrote"])
     (Path(out) / f"{mode}_rank{rank}.json").write_text(json.dumps(result))
     dist.destroy_process_group()
 
@@ -258,3 +266,73 @@ def test_version_1_manifest_still_restores(saved, tmp_path):
     assert all(r["log"] == [] for r in ranks)
     # A version-1 file is one checksum: a rank that touches a file verifies all of it.
     assert all(set(map(tuple, r["checked"].values())) == {(0,)} for r in ranks)
+
+
+class _RunsCommand:
+    """Pickles to a call of os.system: unpickling it runs `command`."""
+
+    def __init__(self, command: str) -> None:
+        self.command = command
+
+    def __reduce__(self) -> tuple[Any, tuple[str]]:
+        return os.system, (self.command,)
+
+
+def _genuine_metadata(path: Path) -> Any:
+    # The `.metadata` this test's own save wrote, before any forging: trusted here.
+    with open(path / ".metadata", "rb") as f:
+        return pickle.load(f)
+
+
+def _recommit(path: Path) -> None:
+    """A fresh, valid manifest over whatever the directory now holds."""
+    old = read_manifest(path)
+    (path / MANIFEST_NAME).unlink()
+    write_manifest(path, step=old.step, consumed_samples=old.consumed_samples, layout=old.layout,
+                   scheme=SCHEME)
+
+
+def _forge_metadata(path: Path, marker: Path) -> str:
+    (path / ".metadata").write_bytes(pickle.dumps(_RunsCommand(f"touch {shlex.quote(str(marker))}")))
+    return ".metadata"
+
+
+def _forge_byte_item(path: Path, marker: Path) -> str:
+    """The progress byte item, which every rank loads, becomes a torch.save of a call."""
+    metadata = _genuine_metadata(path)
+    (index, info), = [(i, s) for i, s in metadata.storage_data.items()
+                      if i.fqn == "state.progress.step"]
+    forged = io.BytesIO()
+    torch.save(_RunsCommand(f"touch {shlex.quote(str(marker))}"), forged)
+    shard = path / info.relative_path
+    end = shard.stat().st_size
+    with open(shard, "ab") as f:
+        f.write(forged.getvalue())
+    info.offset, info.length = end, len(forged.getvalue())
+    with open(path / ".metadata", "wb") as f:
+        pickle.dump(metadata, f)
+    return info.relative_path
+
+
+@pytest.mark.parametrize("forge", [_forge_metadata, _forge_byte_item],
+                         ids=["metadata", "byte item"])
+def test_pickle_that_would_run_code_is_refused_and_every_rank_falls_back(forge, saved, tmp_path):
+    root = _copy(saved, tmp_path)
+    newest = root / "step_00000002"
+    marker = tmp_path / "ran"
+    forged = forge(newest, marker)
+    _recommit(newest)
+    verify(newest)  # every checksum matches: only the content is hostile
+
+    try:
+        ranks: Any = _run(2, "load", root, tmp_path)
+    except (mp.ProcessRaisedException, mp.ProcessExitedException) as exc:
+        ranks = exc  # the marker is the first thing to check either way
+    assert not marker.exists(), "restoring the checkpoint ran the pickle's code"
+    assert isinstance(ranks, list), ranks
+    assert [r["loaded"] for r in ranks] == ["step_00000001"] * 2
+    assert ranks[0]["differences"] == []
+    (skipped,) = ranks[0]["log"]
+    assert skipped.startswith(f"checkpoint step_00000002 is invalid (step_00000002/{forged}: "), \
+        skipped
+    assert "posix.system" in skipped and "refused" in skipped, skipped

@@ -1,12 +1,18 @@
 """In-memory snapshots: 4 FSDP2 (ZeRO-3) ranks snapshot into /dev/shm; 4, 3 and 2 ranks restore
 through the byte-range reader, resharded by DCP, to exactly the saved state. Damaged snapshots
-(bit flip, truncation, missing shard, a corrupted transfer) fail every rank and load nothing.
+(bit flip, truncation, missing shard, a corrupted transfer) fail every rank and load nothing, and
+so do forged ones whose checksums match but whose `.metadata` or byte item is a pickle that would
+run code: that code never runs.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import os
+import pickle
 import re
+import shlex
 import shutil
 import signal
 import socket
@@ -27,8 +33,14 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_
 from checkpoint.snapshot_format import (
     MANIFEST_NAME,
     METADATA_NAME,
+    FileEntry,
     SnapshotInvalid,
+    SnapshotManifest,
+    chunk_checksums,
+    record_name,
     shard_name,
+    shard_rank,
+    slot,
     step_dir,
 )
 from checkpoint.snapshot_reader import load_snapshot, local_fetch
@@ -193,6 +205,48 @@ def _flip_bit(path: Path, offset: int) -> None:
         f.write(bytes([byte ^ 0x10]))
 
 
+class _RunsCommand:
+    """Pickles to a call of os.system: unpickling it runs `command`."""
+
+    def __init__(self, command: str) -> None:
+        self.command = command
+
+    def __reduce__(self) -> tuple[object, tuple[str]]:
+        return os.system, (self.command,)
+
+
+MARKER = "ran"  # what a forged pickle creates in the snapshot root's parent: it must never exist
+
+
+def _hostile(d: Path) -> bytes:
+    return pickle.dumps(_RunsCommand(f"touch {shlex.quote(str(d.parent / MARKER))}"))
+
+
+def _forge_metadata(d: Path) -> None:
+    """`.metadata` becomes a hostile pickle, and the manifest vouches for it."""
+    blob = _hostile(d)
+    (d / METADATA_NAME).write_bytes(blob)
+    manifest = SnapshotManifest.parse((d / MANIFEST_NAME).read_bytes(), "test")
+    files = tuple(dataclasses.replace(f, size=len(blob), chunks=chunk_checksums(blob))
+                  if f.path == METADATA_NAME else f for f in manifest.files)
+    (d / MANIFEST_NAME).write_bytes(dataclasses.replace(manifest, files=files).to_bytes())
+
+
+def _forge_byte_item(d: Path) -> None:
+    """The progress byte item, which every rank loads, becomes a hostile pickle in its slot, and
+    its rank's record vouches for the shard."""
+    # The genuine `.metadata` this module's own save wrote: trusted here.
+    metadata = pickle.loads((d / METADATA_NAME).read_bytes())
+    (item,) = [v for k, v in metadata.storage_data.items() if k.fqn == "state.progress.step"]
+    shard = bytearray((d / item.file).read_bytes())
+    shard[item.offset:item.offset + item.length] = slot(_hostile(d), item.length)
+    (d / item.file).write_bytes(bytes(shard))
+    rank = shard_rank(item.file)
+    assert rank is not None
+    entry = FileEntry(item.file, rank, len(shard), chunk_checksums(bytes(shard)))
+    (d / record_name(rank)).write_text(json.dumps({"step": STEP, **entry.to_json()}))
+
+
 # Each damage: (what it does to a copy of the snapshot directory, the error it must cause).
 DAMAGES: dict[str, tuple[Callable[[Path], None], str]] = {
     "bitflip-shard": (
@@ -210,6 +264,16 @@ DAMAGES: dict[str, tuple[Callable[[Path], None], str]] = {
     "missing-shard": (
         lambda d: (d / shard_name(3)).unlink(),
         rf"step {STEP}: file rank_00003.distcp \(rank 3\) is missing",
+    ),
+    "forged-metadata": (
+        _forge_metadata,
+        rf"step {STEP}: file \.metadata \(rank 0\): refused: .*posix\.system",
+    ),
+    "forged-byte-item": (
+        _forge_byte_item,
+        # DCP's planner picks the rank whose shard holds a replicated value.
+        rf"step {STEP}: file rank_0000(\d)\.distcp \(rank \1\): byte item state\.progress\.step "
+        r"refused: .*posix\.system",
     ),
 }
 
@@ -302,9 +366,11 @@ def test_damaged_snapshots_fail_every_rank_and_load_nothing(snapshot, tmp_path):
             _load_damaged, args=(str(job), roots, _free_port(), str(tmp_path)), nprocs=2,
             start_method="spawn",
         )
+        ran = [case for case in DAMAGES if (Path(roots[case]) / MARKER).exists()]
     finally:
         for case in DAMAGES:
             shutil.rmtree(roots[case], ignore_errors=True)
+    assert ran == [], "a forged snapshot's pickle ran code"
     expected = {case: pattern for case, (_, pattern) in DAMAGES.items()}
     expected["corrupted-transfer"] = rf"step {STEP}: file rank_00000.distcp \(rank 0\): checksum mismatch"
     expected["manifest-lost-on-rank-1"] = (

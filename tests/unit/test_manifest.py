@@ -13,8 +13,10 @@ from checkpoint.manifest import (
     Manifest,
     apply_retention,
     checkpoint_dir,
+    committed_steps,
     latest_valid,
     list_checkpoints,
+    prune_fragments,
     read_manifest,
     verify,
     write_manifest,
@@ -205,6 +207,45 @@ def test_retention_with_nothing_valid_removes_nothing(tmp_path: Path) -> None:
     assert len(list_checkpoints(tmp_path)) == 2
     with pytest.raises(ValueError, match="keep must be >= 1"):
         apply_retention(tmp_path, keep=0)
+
+
+def test_committed_steps_are_those_with_a_manifest_that_reads(tmp_path: Path) -> None:
+    for step in (1, 2, 3, 4):
+        fake_dcp_checkpoint(tmp_path, step, commit=step != 2)
+    (checkpoint_dir(tmp_path, 4) / MANIFEST_NAME).write_text("{")  # torn: not committed
+    with open(checkpoint_dir(tmp_path, 3) / SHARD, "r+b") as f:
+        f.truncate(10)  # committed; its files are the restore's to check
+    assert committed_steps(tmp_path) == [3, 1]
+    assert committed_steps(tmp_path / "absent") == []
+
+
+def _fragment(root: Path, step: int) -> None:
+    """A node-local step directory on a node other than rank 0's: its shard, no manifest."""
+    checkpoint_dir(root, step).mkdir(parents=True)
+    (checkpoint_dir(root, step) / SHARD).write_bytes(b"shard")
+
+
+def test_fragments_keep_the_newest_committed_and_what_is_newer(tmp_path: Path) -> None:
+    for step in range(1, 7):
+        _fragment(tmp_path, step)
+
+    removed = prune_fragments(tmp_path, 2, committed=[1, 3, 5])
+
+    # 5 and 3 are the newest two committed; 1 is committed but beyond keep; 2 and 4 are failed
+    # saves older than the newest commit; 6 is newer than every commit: it may be a save's.
+    assert [p.name for p in removed] == ["step_00000004", "step_00000002", "step_00000001"]
+    assert [s for s, _ in list_checkpoints(tmp_path)] == [6, 5, 3]
+
+
+def test_failed_saves_never_cost_a_node_its_last_committed_fragment(tmp_path: Path) -> None:
+    _fragment(tmp_path, 1)
+    for failed in (2, 3, 4):  # saves whose manifest rank 0 never wrote: 1 stays committed
+        _fragment(tmp_path, failed)
+        assert prune_fragments(tmp_path, 1, committed=[1]) == []
+    assert [s for s, _ in list_checkpoints(tmp_path)] == [4, 3, 2, 1]
+    assert prune_fragments(tmp_path, 1, committed=[]) == []  # nothing committed: nothing goes
+    with pytest.raises(ValueError, match="keep must be >= 1"):
+        prune_fragments(tmp_path, 0, committed=[1])
 
 
 def test_version_1_sha256_manifest_still_verifies(tmp_path: Path) -> None:
