@@ -28,10 +28,12 @@ from parallel.job import JobConfig
 from parallel.job_paths import job_path
 from parallel.layout import Layout
 from parallel.planner import Restore
+from trainer.fault_injection import NonFiniteInjection
 from trainer.loop import StepResult, Trainer
 from trainer.memory_meter import MemoryMeter
 from trainer.shared_storage import CheckpointFragmented
 from trainer.snapshots import Restored, Snapshots, restore_snapshot
+from trainer.telemetry import TensorBoard, finite_or_none, step_record
 
 
 def _stderr(msg: str) -> None:
@@ -77,7 +79,7 @@ class StepLog:
         line = json.dumps(
             {
                 "step": r.step,
-                "loss": r.loss,
+                "loss": finite_or_none(r.loss),
                 "consumed_samples": r.consumed_samples,
                 "generation": generation,
                 "world_size": world_size,
@@ -86,6 +88,7 @@ class StepLog:
                 "pp": layout.pp,
                 "cp": layout.cp,
                 "step_seconds": round(r.step_seconds, 6),
+                **step_record(r),
                 "time": time.time(),
             }
         )
@@ -128,7 +131,8 @@ class GenerationDriver:
         self.job, self.layout, self.last_step, self.generation = job, layout, last_step, generation
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         self.node = node or os.uname().nodename  # named in a fragmented-checkpoint failure
-        self.trainer = Trainer(job, layout, mesh, device)
+        self.trainer = Trainer(job, layout, mesh, device,
+                               inject=NonFiniteInjection.from_env(os.environ))
         self.memory = MemoryMeter(self.trainer.model, self.trainer.optimizer, device)
         root = checkpoint_root(job)
         self.ckpt = (
@@ -140,6 +144,9 @@ class GenerationDriver:
             else None
         )
         self.steps = StepLog(step_log) if step_log is not None and self.rank == 0 else None
+        out = output_dir(job)
+        self.tensorboard = TensorBoard(out / "tensorboard") \
+            if job.metrics.tensorboard and out is not None and self.rank == 0 else None
         every = job.checkpoint.snapshot_every
         self.snapshots = (
             Snapshots(snapshot_root, every, layout.to_dict(), log)
@@ -147,6 +154,7 @@ class GenerationDriver:
             else None
         )
         self._saved_step = -1
+        self._skipped = False  # the last step was skipped (trainer.nonfinite): not a good state
         self._reported = 0  # commits returned by new_commits
         self._blocked = Blocked()
 
@@ -215,7 +223,8 @@ class GenerationDriver:
             f"every node's checkpoint.dir into one shared directory to restore it")
 
     def snapshot_due(self, step: int) -> bool:
-        return self.snapshots is not None and step < self.last_step and self.snapshots.due(step)
+        return (self.snapshots is not None and step < self.last_step and not self._skipped
+                and self.snapshots.due(step))
 
     def snapshot_is_full(self) -> bool:
         """Whether the next snapshot is a full DCP save (else a rewrite in place)."""
@@ -230,6 +239,7 @@ class GenerationDriver:
     def train_step(self) -> StepResult:
         with self.memory.measure():
             result = self.trainer.train_step()
+        self._skipped = bool(result.skipped)
         return dataclasses.replace(result, memory=self.memory.last)
 
     def commit(self, result: StepResult) -> None:
@@ -237,12 +247,16 @@ class GenerationDriver:
         not committed: the next generation runs it again from its restore point)."""
         if self.steps is not None:
             self.steps.append(result, self.generation, self.world_size, self.layout)
+        if self.tensorboard is not None:
+            self.tensorboard.add(result)
 
     def checkpoint_due(self, step: int) -> bool:
         """A periodic (checkpoint.every) or final checkpoint is due after `step`."""
         every = self.job.checkpoint.every
+        # A periodic one waits for a step that was not skipped; the last step's is always taken
+        # (its state is exactly where the run would continue: docs/observability.md).
         return self.ckpt is not None and (
-            step == self.last_step or bool(every and step % every == 0)
+            step == self.last_step or bool(every and step % every == 0 and not self._skipped)
         )
 
     def save(self) -> None:
