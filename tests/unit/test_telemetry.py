@@ -169,3 +169,21 @@ def test_max_skipped_steps_is_positive_and_bounded() -> None:
         loads(JOB, ["train.max_skipped_steps=0"])
     with pytest.raises(ConfigError, match="train.max_skipped_steps must be <="):
         loads(JOB, [f"train.max_skipped_steps={10**10}"])
+
+
+@pytest.mark.skipif(importlib.util.find_spec("tensorboard") is None,
+                    reason="the optional tensorboard extra is not installed")
+def test_tensorboard_writes_event_files_of_the_step_scalars(tmp_path) -> None:
+    from trainer.telemetry import TensorBoard
+
+    board = TensorBoard(tmp_path / "tensorboard")
+    board.add(_result())
+    board.add(_result(step=4, loss=math.nan, grad_norm=math.nan, skipped="nonfinite_loss"))
+    board.close()
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(tmp_path / "tensorboard"))
+    events.Reload()
+    assert [e.value for e in events.Scalars("train/lr")] == pytest.approx([1e-3, 1e-3])
+    assert [e.step for e in events.Scalars("train/loss")] == [3]  # a NaN is not written
+    assert [e.value for e in events.Scalars("train/skipped")] == [0.0, 1.0]
