@@ -52,9 +52,11 @@ class WorkerReports:
             if recovered is not None:
                 self.metrics.observe_recovery(recovered)
         if report.global_rank == 0:
-            self.progress.report(report.generation, step=report.step,
+            skipped = {"skipped_step": report.step, "skipped_reason": report.skipped[:64]} \
+                if report.skipped else {}
+            self.progress.report(report.generation, urgent=bool(skipped), step=report.step,
                                  consumed_samples=report.consumed_samples, loss=report.loss,
-                                 snapshot_complete=self._snapshot_complete())
+                                 snapshot_complete=self._snapshot_complete(), **skipped)
 
     def _snapshot_complete(self) -> int:
         """The newest snapshot step of the running generation two live nodes or more hold

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import importlib.util
 import math
 import types
 import typing
@@ -114,6 +115,9 @@ class TrainConfig:
     beta2: float = 0.95
     eps: float = 1e-8
     grad_clip: float = 1.0
+    # Steps skipped in a row for a non-finite loss or gradient norm that end the job `failed`
+    # (trainer.nonfinite).
+    max_skipped_steps: int = 5
 
 
 @dataclass(frozen=True)
@@ -199,6 +203,13 @@ class ProfileConfig:
 
 
 @dataclass(frozen=True)
+class MetricsConfig:
+    # TensorBoard event files of rank 0's step lines under job.output_dir/tensorboard (the
+    # optional `tensorboard` extra).
+    tensorboard: bool = False
+
+
+@dataclass(frozen=True)
 class JobMeta:
     name: str = "job"
     output_dir: JobPath = JobPath("")
@@ -215,6 +226,7 @@ class JobConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     fault: FaultConfig = field(default_factory=FaultConfig)
     profile: ProfileConfig = field(default_factory=ProfileConfig)
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -241,6 +253,7 @@ MAX: dict[str, int | float] = {
     "train.seed": 2**63 - 1, "train.lr": 10.0, "train.min_lr": 10.0,
     "train.warmup_steps": MAX_STEPS, "train.weight_decay": 10.0, "train.beta1": 1.0,
     "train.beta2": 1.0, "train.eps": 1.0, "train.grad_clip": 1e9,
+    "train.max_skipped_steps": MAX_STEPS,
     "parallel.dp": 2**16, "parallel.tp": 2**10, "parallel.pp": 2**10, "parallel.cp": 2**10,
     "parallel.virtual_stages": 2**10, "parallel.micro_batch": 2**24,
     "checkpoint.every": MAX_STEPS, "checkpoint.keep": 1000, "checkpoint.snapshot_every": MAX_STEPS,
@@ -395,6 +408,8 @@ def validate(cfg: JobConfig) -> None:
                           f"(got {c.storage!r})")
     if c.every and not c.dir:
         raise ConfigError("checkpoint.dir must be set when checkpoint.every > 0")
+    _positive("train.max_skipped_steps", t.max_skipped_steps)
+    _validate_metrics(cfg)
     _validate_fault(cfg.fault)
     _validate_profile(cfg.profile, t.steps)
 
@@ -420,6 +435,17 @@ def _validate_data(d: DataConfig) -> None:
         if not 0 < s.weight <= MAX_WEIGHT:
             raise ConfigError(f"data.sources[{i}].weight must be a finite number in "
                               f"(0, {MAX_WEIGHT:g}] (got {s.weight})")
+
+
+def _validate_metrics(cfg: JobConfig) -> None:
+    if not cfg.metrics.tensorboard:
+        return
+    if not cfg.job.output_dir:
+        raise ConfigError("metrics.tensorboard = true needs job.output_dir (the event files "
+                          "go to job.output_dir/tensorboard)")
+    if importlib.util.find_spec("tensorboard") is None:
+        raise ConfigError("metrics.tensorboard = true needs the tensorboard package, which is "
+                          "not installed (pip install 'ultrascale[tensorboard]')")
 
 
 def _validate_fault(f: FaultConfig) -> None:

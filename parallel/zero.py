@@ -227,6 +227,12 @@ class ShardedAdamW(torch.optim.Optimizer):
                 if p.requires_grad:
                     self._state_of(p)
 
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        # Also the reduced slices: a step skipped for a non-finite gradient must not leave
+        # them for the next step to apply.
+        self._grad_slices.clear()
+        super().zero_grad(set_to_none)
+
     @torch.no_grad()
     def step(self, closure: Any = None) -> None:
         if closure is not None:

@@ -99,7 +99,12 @@ class AgentLink:
             dp=dp,
             recompute_seconds=r.recompute_seconds,
             recompute_ratio=r.recompute_ratio,
+            learning_rate=r.lr,
+            grad_norm=r.grad_norm,
+            skipped=r.skipped,
         )
+        if r.mfu is not None:  # known device peak only (trainer.telemetry)
+            report.mfu = r.mfu
         if r.bubble_ratio_measured is not None:  # pipeline parallelism only
             report.bubble_ratio = r.bubble_ratio_measured
         if r.memory is not None:

@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 from parallel.job import ConfigError, JobConfig, load
+from trainer.telemetry import finite_or_none, step_record
 
 EXIT_USAGE = 2
 
@@ -74,13 +75,14 @@ class ProgressPrinter:
         if self.fmt == "json":
             record = {
                 "step": r.step,
-                "loss": r.loss,
+                "loss": finite_or_none(r.loss),
                 "consumed_samples": r.consumed_samples,
                 "tokens": r.tokens,
                 "dp": dp,
                 "step_seconds": round(r.step_seconds, 6),
                 "recompute_seconds": round(r.recompute_seconds, 6),
                 "recompute_ratio": round(r.recompute_ratio, 6),
+                **step_record(r),
             }
             if r.memory is not None:  # this rank's (rank 0's) bytes by kind
                 record["memory_bytes"] = {
@@ -97,9 +99,11 @@ class ProgressPrinter:
         elapsed = time.perf_counter() - self.started
         done = r.step - self.first_step + 1
         eta = elapsed / done * (self.stop_at - r.step)
+        mfu = f"  mfu {r.mfu:.1%}" if r.mfu is not None else ""
+        skipped = f"  skipped ({r.skipped})" if r.skipped else ""
         line = (
-            f"step {r.step}/{self.stop_at}  loss {r.loss:.4f}  {r.tokens / r.step_seconds:,.0f} tok/s"
-            f"  eta {eta:.0f}s"
+            f"step {r.step}/{self.stop_at}  loss {r.loss:.4f}  lr {r.lr:.2e}"
+            f"  {r.tokens / r.step_seconds:,.0f} tok/s{mfu}  eta {eta:.0f}s{skipped}"
         )
         end = "" if self.tty and r.step < self.stop_at else "\n"
         print(
@@ -115,6 +119,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_USAGE
     # Imported after validation so a bad config fails fast, without a torch import.
+    from trainer.nonfinite import NonFiniteSteps
     from trainer.run import run
 
     try:
@@ -127,3 +132,6 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_USAGE
+    except NonFiniteSteps as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1

@@ -29,6 +29,7 @@ from parallel.job import JobConfig
 from parallel.job_paths import job_path
 from parallel.layout import Layout
 from parallel.planner import Restore
+from trainer.fault_injection import NonFiniteInjection
 from trainer.loop import StepResult, Trainer
 from trainer.memory_meter import MemoryMeter
 from trainer.pretrained import load_pretrained
@@ -36,6 +37,7 @@ from trainer.profiling import StepProfiler
 from trainer.restore_order import Restored, Served, first_served
 from trainer.shared_storage import CheckpointFragmented
 from trainer.snapshots import Snapshots, restore_snapshot
+from trainer.telemetry import TensorBoard, finite_or_none, step_record
 
 
 def _stderr(msg: str) -> None:
@@ -81,7 +83,7 @@ class StepLog:
         line = json.dumps(
             {
                 "step": r.step,
-                "loss": r.loss,
+                "loss": finite_or_none(r.loss),
                 "consumed_samples": r.consumed_samples,
                 "generation": generation,
                 "world_size": world_size,
@@ -90,6 +92,7 @@ class StepLog:
                 "pp": layout.pp,
                 "cp": layout.cp,
                 "step_seconds": round(r.step_seconds, 6),
+                **step_record(r),
                 "time": time.time(),
             }
         )
@@ -132,7 +135,8 @@ class GenerationDriver:
         self.job, self.layout, self.last_step, self.generation = job, layout, last_step, generation
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         self.node = node or os.uname().nodename  # named in a fragmented-checkpoint failure
-        self.trainer = Trainer(job, layout, mesh, device)
+        self.trainer = Trainer(job, layout, mesh, device,
+                               inject=NonFiniteInjection.from_env(os.environ))
         self.memory = MemoryMeter(self.trainer.model, self.trainer.optimizer, device)
         root = checkpoint_root(job)
         self.ckpt = (
@@ -145,6 +149,9 @@ class GenerationDriver:
             else None
         )
         self.steps = StepLog(step_log) if step_log is not None and self.rank == 0 else None
+        out = output_dir(job)
+        self.tensorboard = TensorBoard(out / "tensorboard") \
+            if job.metrics.tensorboard and out is not None and self.rank == 0 else None
         every = job.checkpoint.snapshot_every
         self.snapshots = (
             Snapshots(snapshot_root, every, layout.to_dict(), log)
@@ -153,6 +160,7 @@ class GenerationDriver:
         )
         self.profiler = StepProfiler(job.profile, self.rank, output_dir(job) or Path("."), device)
         self._saved_step = -1
+        self._skipped = False  # the last step was skipped (trainer.nonfinite): not a good state
         self._reported = 0  # commits returned by new_commits
         self._blocked = Blocked()
 
@@ -257,7 +265,8 @@ class GenerationDriver:
             f"every node's checkpoint.dir into one shared directory to restore it")
 
     def snapshot_due(self, step: int) -> bool:
-        return self.snapshots is not None and step < self.last_step and self.snapshots.due(step)
+        return (self.snapshots is not None and step < self.last_step and not self._skipped
+                and self.snapshots.due(step))
 
     def snapshot_is_full(self) -> bool:
         """Whether the next snapshot is a full DCP save (else a rewrite in place)."""
@@ -272,6 +281,7 @@ class GenerationDriver:
     def train_step(self) -> StepResult:
         with self.profiler.step(self.step + 1), self.memory.measure():
             result = self.trainer.train_step()
+        self._skipped = bool(result.skipped)
         return dataclasses.replace(result, memory=self.memory.last)
 
     def close(self) -> None:
@@ -283,12 +293,16 @@ class GenerationDriver:
         not committed: the next generation runs it again from its restore point)."""
         if self.steps is not None:
             self.steps.append(result, self.generation, self.world_size, self.layout)
+        if self.tensorboard is not None:
+            self.tensorboard.add(result)
 
     def checkpoint_due(self, step: int) -> bool:
         """A periodic (checkpoint.every) or final checkpoint is due after `step`."""
         every = self.job.checkpoint.every
+        # A periodic one waits for a step that was not skipped; the last step's is always taken
+        # (its state is exactly where the run would continue: docs/observability.md).
         return self.ckpt is not None and (
-            step == self.last_step or bool(every and step % every == 0)
+            step == self.last_step or bool(every and step % every == 0 and not self._skipped)
         )
 
     def save(self) -> None:

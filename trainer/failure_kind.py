@@ -11,7 +11,7 @@ from __future__ import annotations
 import re
 from typing import Literal
 
-Kind = Literal["peer", "local", "storage", "disk"]
+Kind = Literal["peer", "local", "storage", "disk", "diverged"]
 
 # torch.distributed's own error types for a broken rendezvous or store connection, and this
 # worker's for an agent that stopped answering.
@@ -19,6 +19,9 @@ PEER_TYPES = ("DistNetworkError", "DistStoreError", "AgentUnreachable", "PeerSto
 # A checkpoint directory this rank cannot see, or a durable checkpoint spread over node-local
 # directories that a restore needs: no retry can fix either (trainer/shared_storage.py).
 STORAGE_TYPES = ("StorageNotShared", "CheckpointFragmented")
+# train.max_skipped_steps non-finite steps in a row (trainer/nonfinite.py): every rank sees it at
+# the same step, and a restore would replay the same steps, so the job fails at once.
+DIVERGED_TYPES = ("NonFiniteSteps",)
 # The filesystem itself failed (full, read-only, I/O errors): the job's shared storage, not this
 # node, so nobody is blamed; a repeat at the same step fails the job with the cause.
 DISK_PATTERNS = re.compile(
@@ -56,11 +59,14 @@ PEER_PATTERNS = re.compile(
 def classify_failure(text: str) -> Kind:
     """'peer' for a failed collective, rendezvous, store or agent call; 'storage' for a
     checkpoint directory that is not shared or a checkpoint a restore needs that is in pieces
-    on node-local directories; 'disk' for a failing filesystem; 'local'
+    on node-local directories; 'disk' for a failing filesystem; 'diverged' for a run of
+    non-finite steps; 'local'
     otherwise."""
     error_type = text.split(":", 1)[0].strip()
     if error_type in STORAGE_TYPES:
         return "storage"
+    if error_type in DIVERGED_TYPES:
+        return "diverged"
     if DISK_PATTERNS.search(text):
         return "disk"
     if error_type in PEER_TYPES or PEER_PATTERNS.search(text):

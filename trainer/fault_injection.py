@@ -48,3 +48,38 @@ def injected_hang(step: int) -> None:
     """Never returns: the name a hung worker's stacks show (tests look for it)."""
     while True:
         time.sleep(3600)
+
+
+@dataclass(frozen=True)
+class NonFiniteInjection:
+    """A testing aid: make chosen steps non-finite on chosen ranks.
+
+    `ULTRA_FAULT_NAN_STEPS=3` or `=3-7` (1-based steps, a single step or an inclusive range)
+    multiplies the step's loss by NaN before backward (`ULTRA_FAULT_NAN_IN=loss`, the default:
+    the loss and, through backward, the gradients turn NaN) or sets the step's gradients to
+    +inf after backward (`=grad`: a finite loss with a non-finite gradient norm), on the global
+    ranks in `ULTRA_FAULT_NAN_RANKS=1,3` (unset: every rank). With `loss`, only ranks that
+    compute the loss (the last pipeline stage) are affected.
+    """
+
+    first: int
+    last: int
+    where: str  # "loss" | "grad"
+    ranks: frozenset[int] | None
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str]) -> NonFiniteInjection | None:
+        raw = env.get("ULTRA_FAULT_NAN_STEPS", "").strip()
+        if not raw:
+            return None
+        first, _, last = raw.partition("-")
+        where = env.get("ULTRA_FAULT_NAN_IN", "loss").strip() or "loss"
+        if where not in ("loss", "grad"):
+            raise ValueError(f"ULTRA_FAULT_NAN_IN must be loss or grad (got {where!r})")
+        ranks = {int(r) for r in env.get("ULTRA_FAULT_NAN_RANKS", "").split(",") if r.strip()}
+        return cls(int(first), int(last or first), where, frozenset(ranks) if ranks else None)
+
+    def applies(self, step: int, rank: int, where: str) -> bool:
+        """Whether 1-based `step` on global `rank` is to be made non-finite at `where`."""
+        return (where == self.where and self.first <= step <= self.last
+                and (self.ranks is None or rank in self.ranks))

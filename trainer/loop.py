@@ -33,8 +33,11 @@ from parallel.reproducible import ExactGradients, enable_deterministic_kernels, 
 from parallel.tensor_parallel import local_loss, vocab_parallel_loss
 from parallel.zero import ShardedAdamW
 from trainer.data import SampleStream, open_stream, step_micro_batches
+from trainer.fault_injection import NonFiniteInjection
 from trainer.memory_meter import MeasuredMemory
+from trainer.nonfinite import SkipStreak, agree_skip
 from trainer.shard_local_adamw import ShardLocalAdamW
+from trainer.telemetry import device_name, mfu, model_flops_per_token, peak_flops
 
 
 @dataclass(frozen=True)
@@ -56,6 +59,9 @@ class StepResult:
     recompute_ratio: float = 0.0
     # This rank's memory by kind (trainer.memory_meter), when the caller measured the step.
     memory: MeasuredMemory | None = None
+    lr: float = 0.0  # the schedule's learning rate of this step
+    mfu: float | None = None  # model FLOPs utilisation (trainer.telemetry); None: peak unknown
+    skipped: str = ""  # why the update was skipped on every rank (trainer.nonfinite); "" none
 
 
 def learning_rate(t: TrainConfig, step: int) -> float:
@@ -110,8 +116,15 @@ class Trainer:
         mesh: DeviceMesh | None,
         device: torch.device,
         stream: SampleStream | None = None,
+        inject: NonFiniteInjection | None = None,
     ) -> None:
         self.cfg, self.layout, self.mesh, self.device = cfg, layout, mesh, device
+        self.rank = dist.get_rank() if mesh is not None else 0
+        self.inject, self._inject_loss = inject, False
+        self.skips = SkipStreak(cfg.train.max_skipped_steps)
+        self.devices = mesh.size() if mesh is not None else 1
+        self.peak_flops = peak_flops(device_name(device), layout.mixed_precision)
+        self.flops_per_step = model_flops_per_token(cfg) * cfg.train.global_batch * cfg.train.seq_len
         if cfg.parallel.reproducible:
             enable_deterministic_kernels(device)
         self.spec = get_spec(cfg.model.family)
@@ -165,7 +178,8 @@ class Trainer:
         # With tp > 1 the logits are sharded on the vocabulary and this runs (with its backward)
         # under `vocab_parallel_loss`; the loss is then a replicated DTensor, made local here
         # (to_local is differentiable) so that callers and the pipeline see plain tensors.
-        return local_loss(cross_entropy_sum(logits, targets) / self.step_tokens)
+        loss = local_loss(cross_entropy_sum(logits, targets) / self.step_tokens)
+        return loss * math.nan if self._inject_loss else loss
 
     def train_step(self) -> StepResult:
         t, layout = self.cfg.train, self.layout
@@ -175,6 +189,7 @@ class Trainer:
         lr = learning_rate(t, step)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
+        self._inject_loss = self._injects(step + 1, "loss")
         batches = step_micro_batches(
             self.stream,
             step,
@@ -196,11 +211,18 @@ class Trainer:
             raise RuntimeError(
                 f"step {step + 1} consumed {counted} target tokens, expected {self.step_tokens}"
             )
+        if self._injects(step + 1, "grad"):
+            self._poison_gradients(exact_grads)
         grad_norm = self._clip_gradients(t.grad_clip, exact_grads)
-        self.optimizer.step()
+        # Agreed on every rank: a skipped step changes no weight and no optimizer state, but
+        # consumes its samples (trainer.nonfinite).
+        skipped = agree_skip(loss, grad_norm, self.mesh is not None)
+        if not skipped:
+            self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.progress.step += 1
         self.progress.consumed_samples += t.global_batch
+        self.skips.record(self.progress.step, skipped)
         step_seconds = time.perf_counter() - start
         return StepResult(
             step=self.progress.step,
@@ -212,7 +234,19 @@ class Trainer:
             **bubble,
             recompute_seconds=self.recompute.seconds,
             recompute_ratio=self.recompute.seconds / step_seconds if step_seconds > 0 else 0.0,
+            lr=lr,
+            mfu=mfu(self.flops_per_step, step_seconds, self.devices, self.peak_flops),
+            skipped=skipped,
         )
+
+    def _injects(self, step: int, where: str) -> bool:
+        return self.inject is not None and self.inject.applies(step, self.rank, where)
+
+    def _poison_gradients(self, exact_grads: list[torch.Tensor] | None) -> None:
+        """Testing aid (trainer.fault_injection): one of this rank's gradients turns +inf."""
+        grads = exact_grads or [p.grad for p in self.model.parameters() if p.grad is not None]
+        local = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
+        next(g for g in local if g.numel()).fill_(math.inf)
 
     def _forward_backward(self, batches: list) -> tuple[float, int, dict]:
         """The step's loss, target tokens and pipeline measurements; gradients left in place."""

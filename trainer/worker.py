@@ -190,10 +190,11 @@ class Generation:
                     # checkpoint is in pieces, one per node (docs/snapshots.md).
                     driver.snapshot()
                 break
-            if action.checkpoint:
+            requested = action.checkpoint and not result.skipped  # else the next step's
+            if requested:
                 checkpoint_seq_done = agreed.checkpoint_seq
             if result.step < driver.last_step and (
-                action.checkpoint or driver.checkpoint_due(result.step)
+                requested or driver.checkpoint_due(result.step)
             ):
                 beat.phase("checkpoint")  # staging, and waiting for the previous save
                 driver.save()

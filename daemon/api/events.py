@@ -23,6 +23,7 @@ from daemon.control.records import (
     JobSpec,
     JobStatus,
     NodeRecord,
+    Progress,
     RestoreRecord,
 )
 from parallel.planner import Plan, PlanError
@@ -44,7 +45,7 @@ def _state(raw: bytes) -> str:
 
 
 def render(keys: Keys, ev: Any) -> ClusterEvent | None:
-    """One etcd event as a cluster event; None for keys that are not news (progress)."""
+    """One etcd event as a cluster event; None for keys that are not news (routine progress)."""
     name, kv, put = keys.relative(ev.kv.key), ev.kv, ev.type == PUT
     rev = kv.mod_revision
     if name.startswith("nodes/"):
@@ -108,6 +109,16 @@ def render(keys: Keys, ev: Any) -> ClusterEvent | None:
         return ClusterEvent(rev, "restore", generation=r.generation,
                             message=f"generation {r.generation} restored {what} in "
                                     f"{r.seconds:.2f}s{skipped}")
+    if name == "progress" and put:
+        p = Progress.from_json(kv.value)
+        before = Progress.from_json(ev.prev_kv.value) if ev.prev_kv.key else Progress()
+        if not p.skipped_step or (p.generation, p.skipped_step) == (before.generation,
+                                                                     before.skipped_step):
+            return None  # routine progress is not news
+        return ClusterEvent(rev, "skipped-step", generation=p.generation,
+                            message=f"step {p.skipped_step} skipped on every rank "
+                                    f"({p.skipped_reason}): its update was not applied, its "
+                                    f"samples were consumed")
     if name == "directive" and put:
         d = Directive.from_json(kv.value)
         return ClusterEvent(rev, "directive", generation=d.generation,

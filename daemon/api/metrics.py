@@ -9,6 +9,7 @@ dashboards and rules in deploy/ aggregate over agents with max().
 
 from __future__ import annotations
 
+import math
 import platform
 from dataclasses import dataclass, field
 from wsgiref.simple_server import WSGIServer
@@ -39,6 +40,7 @@ _CHECKPOINT_BUCKETS = (0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
 _BLOCKING_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
 CHECKPOINT_TIERS = ("memory", "durable")
 REASONS = ("start", "join", "leave", "drain", "failure", "job", "layout")
+SKIP_REASONS = ("nonfinite_loss", "nonfinite_grad")  # trainer.nonfinite.REASONS
 
 
 @dataclass
@@ -51,6 +53,17 @@ class Metrics:
         self.tokens = Counter("ultra_train_tokens_total", "Tokens trained on (global)",
                               registry=r)
         self.loss = Gauge("ultra_train_loss", "Loss of the last completed step", registry=r)
+        self.learning_rate = Gauge("ultra_train_learning_rate",
+                                   "Learning rate of the last completed step", registry=r)
+        self.grad_norm = Gauge("ultra_train_grad_norm",
+                               "Gradient norm (before clipping) of the last applied step",
+                               registry=r)
+        self.mfu = Gauge("ultra_train_mfu_ratio",
+                         "Model FLOPs utilisation of the last step (0-1; NaN: the device's "
+                         "peak is unknown, e.g. CPU)", registry=r)
+        self.skipped_steps = Counter("ultra_train_skipped_steps_total",
+                                     "Steps whose update every rank skipped (non-finite loss "
+                                     "or gradient norm), by reason", ["reason"], registry=r)
         self.step_duration = Histogram("ultra_train_step_duration_seconds",
                                        "Wall time of one training step", buckets=_STEP_BUCKETS,
                                        registry=r)
@@ -113,6 +126,9 @@ class Metrics:
             self.mesh_size.labels(dim=dim).set(0)
         for reason in REASONS:
             self.membership_changes.labels(reason=reason)
+        for reason in SKIP_REASONS:
+            self.skipped_steps.labels(reason=reason)
+        self.mfu.set(math.nan)
         self.checkpoint_duration.labels(tier="durable", op="save")
         for tier in CHECKPOINT_TIERS:
             self.checkpoint_duration.labels(tier=tier, op="restore")
@@ -152,8 +168,19 @@ class Metrics:
         if report.generation >= self._generation:  # not a straggler of a replaced generation
             self._last_step = max(self._last_step, report.step)
         self.tokens.inc(max(0, report.tokens))
-        self.loss.set(report.loss)
         self.step_duration.observe(max(0.0, report.step_seconds))
+        if report.HasField("learning_rate"):
+            self.learning_rate.set(report.learning_rate)
+        self.mfu.set(report.mfu if report.HasField("mfu") else math.nan)
+        if report.skipped:
+            # The loss and norm of a skipped step are not finite: the gauges keep the last
+            # applied step's, and the counter says what happened.
+            if report.skipped in SKIP_REASONS:  # a fixed label set, whatever a worker sends
+                self.skipped_steps.labels(reason=report.skipped).inc()
+        else:
+            self.loss.set(report.loss)
+            if report.HasField("grad_norm"):
+                self.grad_norm.set(report.grad_norm)
         for kind in MEMORY_KINDS:
             name = f"memory_{kind}_bytes"
             if report.HasField(name):

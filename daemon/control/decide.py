@@ -153,8 +153,10 @@ class _Decider:
                 if self.plan is not None:
                     self.directive = dataclasses.replace(
                         self.directive, checkpoint_seq=self.directive.checkpoint_seq + 1)
-            elif req.op == ControlOp.FAILURE and req.kind == FailureKind.STORAGE:
-                self._set(JobState.FAILED, req.message)  # it names the node and the path
+            elif req.op == ControlOp.FAILURE and req.kind in (FailureKind.STORAGE,
+                                                               FailureKind.DIVERGED):
+                # It names the node and the path, or the step that diverged.
+                self._set(JobState.FAILED, req.message)
             elif req.op == ControlOp.FAILURE:
                 probe |= self._record_failure(req)
             else:

@@ -148,6 +148,10 @@ class Progress(Record):
     # shard and the manifest held by two nodes at least (daemon/control/snapshot_steps.py).
     # -1: none known yet in this generation.
     snapshot_complete: int = -1
+    # The newest step of the generation whose update every rank skipped (trainer/nonfinite.py),
+    # and why; 0: none. Each new one is an event (`ultractl events`).
+    skipped_step: int = 0
+    skipped_reason: str = ""
 
 
 @dataclass(frozen=True)
@@ -229,6 +233,7 @@ class FailureKind(str, enum.Enum):
     LOST = "lost"            # a member's agent is gone (node implicated)
     STORAGE = "storage"      # checkpoint dir not shared, or split over nodes: no retry helps
     DISK = "disk"            # the checkpoint filesystem failed (full, read-only): nobody to blame
+    DIVERGED = "diverged"    # train.max_skipped_steps non-finite steps in a row: no retry helps
 
 
 IMPLICATING = frozenset({FailureKind.EXIT, FailureKind.HANG, FailureKind.LOCAL,

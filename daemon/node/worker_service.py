@@ -142,7 +142,8 @@ class WorkerControlService(pb_grpc.WorkerControlServicer):
             kind = FailureKind(request.kind or "peer")
         except ValueError:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                f"kind: expected peer, local, storage or disk (got {request.kind!r})")
+                                f"kind: expected peer, local, storage, disk or diverged "
+                                f"(got {request.kind!r})")
         # Worker and agent share the host's clock: the report's age is how late the agent knew.
         detect_s = max(0.0, time.time() - request.failed_at) \
             if request.HasField("failed_at") else 0.0

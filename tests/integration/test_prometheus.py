@@ -172,6 +172,11 @@ def test_promtool_accepts_the_agents_metrics(job: Job) -> None:
         with urllib.request.urlopen(url, timeout=10) as r:
             text = r.read().decode()
         assert "ultra_train_steps_total" in text
+        # Step telemetry: the schedule's lr and the gradient norm; MFU unknown on CPU (NaN).
+        for line in ("ultra_train_learning_rate ", "ultra_train_grad_norm ",
+                     "ultra_train_mfu_ratio NaN",
+                     'ultra_train_skipped_steps_total{reason="nonfinite_loss"} 0.0'):
+            assert line in text, line
         result = _promtool("check", "metrics", stdin=text)
         assert result.returncode == 0, f"{url}:\n{result.stdout}{result.stderr}"
 

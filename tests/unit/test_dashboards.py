@@ -68,7 +68,9 @@ def test_the_dashboards_show_what_each_promises() -> None:
     used = {uid: set().union(*(metric_names(e) for e in exprs))
             for uid, exprs in dashboard_exprs().items()}
     assert {"ultra_world_size", "ultra_generation", "ultra_train_steps_total",
-            "ultra_train_tokens_total", "ultra_train_loss"} <= used["ultrascale-overview"]
+            "ultra_train_tokens_total", "ultra_train_loss", "ultra_train_learning_rate",
+            "ultra_train_grad_norm", "ultra_train_mfu_ratio",
+            "ultra_train_skipped_steps_total"} <= used["ultrascale-overview"]
     assert {"ultra_recompute_ratio", "ultra_pipeline_bubble_ratio",
             "ultra_memory_bytes"} <= used["ultrascale-efficiency"]
     assert {"ultra_membership_changes_total", "ultra_recovery_duration_seconds_bucket",

@@ -539,6 +539,16 @@ def test_a_checkpoint_dir_a_node_cannot_see_fails_the_job_at_once_naming_it() ->
     none_of(d, StartGeneration, ProbeNodes)
 
 
+def test_a_diverged_run_fails_the_job_at_once_naming_the_step_and_blaming_no_node() -> None:
+    message = ("NonFiniteSteps: step 9 skipped (nonfinite_loss): 5 non-finite steps in a row "
+               "(steps 5-9) reached train.max_skipped_steps=5; the loss has diverged")
+    s = snap(control={"f": failure_req("b", kind=FailureKind.DIVERGED, message=message)})
+    d = decide(s)
+    status = only(d, SetStatus).status
+    assert status.state == JobState.FAILED and status.reason == message
+    none_of(d, StartGeneration, ProbeNodes, CordonNodes)
+
+
 def test_a_full_disk_is_nobodys_fault_and_fails_the_job_with_its_cause_when_it_repeats() -> None:
     """The checkpoint filesystem is shared: a disk failure cordons no node, is retried, and
     the same step failing every time ends the job with the disk's message."""

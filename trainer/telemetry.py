@@ -1,0 +1,97 @@
+"""What a step tells its readers: learning rate, gradient norm, throughput and MFU.
+
+MFU (model FLOPs utilisation) = the step's model FLOPs / (step seconds x devices x the device's
+peak FLOP/s). Model FLOPs count what the model needs (6·N plus attention, playbook "Memory usage
+in Transformers", compute), never recomputation or padding, so layouts compare on one scale.
+The peak comes from `PEAK_FLOPS`, a table of vendor dense (no sparsity) figures keyed by a
+fragment of the device name; on CPU or a device the table lacks MFU is unknown (None).
+docs/observability.md lists the table.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+from parallel.cost_model import flops_per_token
+from parallel.job import JobConfig
+
+# Dense peak FLOP/s per device (vendor data sheets, SXM parts), as (bf16, fp32 without TF32).
+# Matched against torch.cuda.get_device_name() in this order: the first fragment found wins.
+PEAK_FLOPS: dict[str, tuple[float, float]] = {
+    "H200": (989e12, 67e12),
+    "H100": (989e12, 67e12),
+    "A100": (312e12, 19.5e12),
+}
+
+
+def model_flops_per_token(job: JobConfig) -> float:
+    """Training FLOPs per token of the job's model: the one place that knows the formula's
+    owner (the model's size formulas), so callers never do."""
+    return flops_per_token(job.model, job.train.seq_len)
+
+
+def peak_flops(device_name: str, mixed_precision: str) -> float | None:
+    """The device's dense peak FLOP/s for the job's precision; None when the table lacks it."""
+    for fragment, (bf16, fp32) in PEAK_FLOPS.items():
+        if fragment in device_name:
+            return bf16 if mixed_precision == "bf16" else fp32
+    return None
+
+
+def device_name(device: Any) -> str:
+    """torch's name for an accelerator; "" on CPU (whose peak the table does not know)."""
+    if getattr(device, "type", "cpu") != "cuda":
+        return ""
+    import torch
+
+    return torch.cuda.get_device_name(device)
+
+
+def mfu(flops: float, seconds: float, devices: int, peak: float | None) -> float | None:
+    if peak is None or seconds <= 0 or devices < 1:
+        return None
+    return flops / (seconds * devices * peak)
+
+
+def finite_or_none(value: float | None) -> float | None:
+    """JSON has no NaN: a non-finite value is written as null."""
+    return value if value is not None and math.isfinite(value) else None
+
+
+def step_record(r: Any) -> dict[str, Any]:
+    """The telemetry fields of a step line (steps.jsonl and --log-format json); r: StepResult."""
+    record: dict[str, Any] = {
+        "lr": r.lr,
+        "grad_norm": finite_or_none(r.grad_norm),
+        "tokens_per_s": round(r.tokens / r.step_seconds, 3) if r.step_seconds > 0 else None,
+        "mfu": None if r.mfu is None else round(r.mfu, 6),
+    }
+    if r.skipped:
+        record["skipped"] = r.skipped
+    return record
+
+
+class TensorBoard:
+    """`[metrics] tensorboard = true`: rank 0's step scalars as TensorBoard event files in
+    <job.output_dir>/tensorboard (the optional `tensorboard` extra; the job check names the
+    field when it is missing)."""
+
+    def __init__(self, directory: Path) -> None:
+        from torch.utils.tensorboard import SummaryWriter
+
+        self.writer = SummaryWriter(log_dir=str(directory))
+
+    def add(self, r: Any) -> None:
+        scalars = {"train/loss": r.loss, "train/lr": r.lr, "train/grad_norm": r.grad_norm,
+                   "train/tokens_per_s": r.tokens / r.step_seconds if r.step_seconds > 0 else None,
+                   "train/mfu": r.mfu}
+        for tag, value in scalars.items():
+            if value is not None and math.isfinite(value):
+                self.writer.add_scalar(tag, value, r.step)
+        self.writer.add_scalar("train/skipped", 1.0 if r.skipped else 0.0, r.step)
+        self.writer.flush()
+
+    def close(self) -> None:
+        self.writer.close()
