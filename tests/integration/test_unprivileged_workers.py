@@ -55,35 +55,46 @@ DEVICES = 2
 
 
 def _ids(pid: int) -> tuple[tuple[int, ...], tuple[int, ...], str] | None:
-    """(uids, gids, supplementary groups) of a process, or None once it is gone."""
+    """(uids, gids, supplementary groups) of a process, or None once it is gone or while it
+    is still the `setpriv` that starts the agent."""
     try:
         fields = dict(line.split(":", 1) for line in
                       Path(f"/proc/{pid}/status").read_text().splitlines())
     except OSError:
         return None
+    if fields["Name"].strip() == "setpriv":
+        return None  # the launcher itself, not yet changed to the user it execs as
     return (tuple(int(u) for u in fields["Uid"].split()),
             tuple(int(g) for g in fields["Gid"].split()), fields["Groups"].strip())
 
 
 @pytest.fixture
-def nobody_dir() -> Iterator[tuple[Path, int, int]]:
+def nobody_dir() -> Iterator[tuple[Path, int, int, tuple[str, ...]]]:
     if os.geteuid() != 0 or shutil.which("setpriv") is None:
         pytest.skip("needs root and setpriv to start the agent as another user")
     user = pwd.getpwnam("nobody")
-    # The agent starts its workers with this same Python, as that user.
-    probe = subprocess.run(["setpriv", f"--reuid={user.pw_uid}", f"--regid={user.pw_gid}",
-                            "--clear-groups", "--", "/bin/sh", "-c",
-                            f'exec "{sys.executable}" -c pass'], capture_output=True, timeout=60)
-    if probe.returncode != 0:
-        pytest.skip(f"user nobody cannot run {sys.executable} (a directory on its path is "
-                    f"closed to others): {probe.stderr.decode(errors='replace').strip()}")
+    # The agent starts its workers with this same Python, as that user. Where a directory on
+    # its path is closed to others (an interpreter under root's 0700 home), the user is given
+    # CAP_DAC_READ_SEARCH alone, as an ambient capability its children keep: it may then read
+    # that interpreter, and every uid and gid is still that user's, which is what is tested.
+    caps: tuple[str, ...] = ()
+    for caps in ((), ("--inh-caps=+dac_read_search", "--ambient-caps=+dac_read_search")):
+        probe = subprocess.run(["setpriv", f"--reuid={user.pw_uid}", f"--regid={user.pw_gid}",
+                                "--clear-groups", *caps, "--", "/bin/sh", "-c",
+                                f'exec "{sys.executable}" -c pass'],
+                               capture_output=True, timeout=60)
+        if probe.returncode == 0:
+            break
+    else:
+        pytest.skip(f"user nobody cannot run {sys.executable}, even with CAP_DAC_READ_SEARCH: "
+                    f"{probe.stderr.decode(errors='replace').strip()}")
     # Not under pytest's tmp_path: its parent is root's 0700 directory.
     base = Path(tempfile.mkdtemp(prefix="ultrascale-unprivileged-"))
     os.chown(base, user.pw_uid, user.pw_gid)
     base.chmod(0o700)
     shm_before = set(Path("/dev/shm").glob("ultrascale*"))
     try:
-        yield base, user.pw_uid, user.pw_gid
+        yield base, user.pw_uid, user.pw_gid, caps
     finally:
         shutil.rmtree(base, ignore_errors=True)
         for leftover in set(Path("/dev/shm").glob("ultrascale*")) - shm_before:
@@ -92,8 +103,8 @@ def nobody_dir() -> Iterator[tuple[Path, int, int]]:
 
 
 def test_every_process_of_an_unprivileged_agent_runs_as_its_user(
-        nobody_dir: tuple[Path, int, int]) -> None:
-    base, uid, gid = nobody_dir
+        nobody_dir: tuple[Path, int, int, tuple[str, ...]]) -> None:
+    base, uid, gid, caps = nobody_dir
     (base / "job.toml").write_text(JOB)
     (base / "job.toml").chmod(0o644)
     env = {"PATH": os.environ.get("PATH", ""), "PYTHONPATH": str(ROOT), "HOME": str(base),
@@ -101,7 +112,7 @@ def test_every_process_of_an_unprivileged_agent_runs_as_its_user(
            **parent_death_env()}
     log = (base / "local.log").open("wb")
     proc = subprocess.Popen(
-        ["setpriv", f"--reuid={uid}", f"--regid={gid}", "--clear-groups", "--",
+        ["setpriv", f"--reuid={uid}", f"--regid={gid}", "--clear-groups", *caps, "--",
          sys.executable, "-m", "daemon.cli.ultrad", "local", str(base / "job.toml"),
          "--nodes", "1", "--devices-per-node", str(DEVICES), "--state-dir", str(base / "state")],
         cwd=base, env=env, stdout=log, stderr=subprocess.STDOUT)
