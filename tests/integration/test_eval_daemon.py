@@ -1,6 +1,6 @@
 """[eval] under the daemon: real etcd, two agents, one worker each. The held-out loss reaches
-the step lines (steps.jsonl) and both agents' `ultra_eval_loss` through the workers' step
-reports."""
+the step lines (steps.jsonl), both agents' `ultra_eval_loss` and `ultractl events` through
+the workers' step reports."""
 
 from __future__ import annotations
 
@@ -58,6 +58,9 @@ def test_eval_loss_reaches_the_step_lines_and_the_agents_gauge(
             assert 0 < rec["eval_loss"] < math.log(256) + 1, rec
             assert rec["eval_ppl"] == pytest.approx(math.exp(rec["eval_loss"]), rel=1e-12)
     assert steps[2]["eval_loss"] != steps[4]["eval_loss"]  # the model trained in between
+    events = ctl(cluster, "events").stdout
+    for step in (2, 4):
+        assert f"step {step}: eval_loss {steps[step]['eval_loss']:.6g}" in events, events
     for node in cluster.agents:
         samples = scrape(json.loads((cluster.state_dir / node / "agent.json").read_text())
                          ["metrics_url"])

@@ -1,6 +1,6 @@
 """[eval] (trainer/evaluation.py) in process: parsing and errors naming the field, its path
 fields checked like any other, the held-out set's split over ranks and rounds, the step line's
-eval_loss and eval_ppl, and the agent's ultra_eval_loss gauge."""
+eval_loss and eval_ppl, the agent's ultra_eval_loss gauge and the `eval` event."""
 
 from __future__ import annotations
 
@@ -14,6 +14,8 @@ from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from daemon.api.metrics import Metrics
+from daemon.control.keys import Keys
+from daemon.control.records import Progress
 from parallel.job import MAX, ConfigError, DataSource, EvalConfig, loads
 from parallel.job_paths import set_paths
 from proto.ultrascale.v1 import agent_pb2 as pb
@@ -132,3 +134,17 @@ def test_the_agent_exports_the_last_evaluations_loss() -> None:
     assert _eval_gauge(metrics) == 2.75
     metrics.observe_step(pb.StepReport(step=3, loss=2.9))  # a step without an evaluation
     assert _eval_gauge(metrics) == 2.75
+
+
+def test_a_new_evaluation_in_the_progress_record_is_an_event() -> None:
+    from tests.unit.test_telemetry import _progress_event
+
+    keys = Keys("job")
+    plain = Progress(generation=2, step=3)
+    evaluated = Progress(generation=2, step=4, eval_step=4, eval_loss=2.3456789)
+    event = _progress_event(keys, evaluated, plain)
+    assert event is not None and event.kind == "eval" and event.generation == 2
+    assert event.message == "step 4: eval_loss 2.34568"
+    later = Progress(generation=2, step=5, eval_step=4, eval_loss=2.3456789)
+    assert _progress_event(keys, later, evaluated) is None  # the same evaluation, not news
+    assert Progress.from_json(evaluated.to_json()) == evaluated
