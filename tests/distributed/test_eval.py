@@ -13,7 +13,7 @@ from models import get_spec
 from ops.loss import cross_entropy_sum
 from parallel.job import load
 from tests.compare import assert_params_close
-from tests.conftest import small_job_text
+from tests.conftest import slow, small_job_text
 from tests.distributed.reference import reference_results
 from tests.launch import final_model_state, run_trainer
 from trainer.evaluation import open_eval_stream
@@ -31,7 +31,14 @@ LAYOUTS = {
     "dp1": (None, []),
     "dp2_tp2": (4, ["--set", "parallel.dp=2", "--set", "parallel.tp=2"]),
     "pp2": (2, ["--set", "parallel.pp=2", "--set", "parallel.dp=1"]),
+    # Other forward paths, covered by the same code as the three above.
+    "cp2": (2, ["--set", "parallel.cp=2", "--set", "parallel.dp=1"]),
+    "pp2_zero_bubble": (2, ["--set", "parallel.pp=2", "--set", "parallel.dp=1",
+                            "--set", 'parallel.pp_schedule="zero_bubble"', "--set",
+                            "parallel.zero=2", "--set", "parallel.micro_batch=1"]),
+    "dp2_reproducible": (2, ["--set", "parallel.dp=2", "--set", "parallel.reproducible=true"]),
 }
+EXTRA = {"cp2", "pp2_zero_bubble", "dp2_reproducible"}
 
 
 @pytest.fixture(scope="module")
@@ -94,7 +101,10 @@ def test_reference_eval_loss_is_the_models_loss_on_the_held_out_samples(jobs, re
     assert evaluated[STEPS].eval_loss == pytest.approx(held_out_loss(jobs[0], params), rel=RTOL)
 
 
-@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("layout", [
+    pytest.param(name, marks=slow("dp 1, dp 2 x tp 2 and pp 2 cover the evaluation"))
+    if name in EXTRA else name for name in LAYOUTS
+])
 def test_eval_loss_is_the_same_in_every_layout(layout, jobs, reference, tmp_path) -> None:
     nproc, args = LAYOUTS[layout]
     (evaluated, _), (plain, plain_params) = reference
