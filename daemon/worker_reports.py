@@ -54,9 +54,13 @@ class WorkerReports:
         if report.global_rank == 0:
             skipped = {"skipped_step": report.step, "skipped_reason": report.skipped[:64]} \
                 if report.skipped else {}
-            self.progress.report(report.generation, urgent=bool(skipped), step=report.step,
+            evaluated = {"eval_step": report.step, "eval_loss": report.eval_loss} \
+                if report.HasField("eval_loss") else {}
+            self.progress.report(report.generation, urgent=bool(skipped or evaluated),
+                                 step=report.step,
                                  consumed_samples=report.consumed_samples, loss=report.loss,
-                                 snapshot_complete=self._snapshot_complete(), **skipped)
+                                 snapshot_complete=self._snapshot_complete(), **skipped,
+                                 **evaluated)
 
     def _snapshot_complete(self) -> int:
         """The newest snapshot step of the running generation two live nodes or more hold

@@ -210,6 +210,18 @@ class MetricsConfig:
 
 
 @dataclass(frozen=True)
+class EvalConfig:
+    """Held-out evaluation (trainer/evaluation.py, docs/data.md "Evaluation"): after every
+    `every`-th step (0: off), the loss over samples 0..samples-1 of the stream of `path` or
+    `sources` (a blend, as `[[data.sources]]`), built as the training stream is."""
+
+    path: JobPath = JobPath("")
+    sources: tuple[DataSource, ...] = ()
+    every: int = 0
+    samples: int = 0
+
+
+@dataclass(frozen=True)
 class JobMeta:
     name: str = "job"
     output_dir: JobPath = JobPath("")
@@ -227,6 +239,7 @@ class JobConfig:
     fault: FaultConfig = field(default_factory=FaultConfig)
     profile: ProfileConfig = field(default_factory=ProfileConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -261,6 +274,7 @@ MAX: dict[str, int | float] = {
     "fault.join_timeout_s": MAX_SECONDS, "fault.restore_timeout_s": MAX_SECONDS,
     "fault.first_step_timeout_s": MAX_SECONDS, "fault.heartbeat_timeout_s": MAX_SECONDS,
     "fault.max_failures": 1000, "fault.backoff_s": MAX_SECONDS, "fault.backoff_max_s": MAX_SECONDS,
+    "eval.every": MAX_STEPS, "eval.samples": 2**24,
 }
 
 
@@ -410,6 +424,7 @@ def validate(cfg: JobConfig) -> None:
         raise ConfigError("checkpoint.dir must be set when checkpoint.every > 0")
     _positive("train.max_skipped_steps", t.max_skipped_steps)
     _validate_metrics(cfg)
+    _validate_eval(cfg.eval)
     _validate_fault(cfg.fault)
     _validate_profile(cfg.profile, t.steps)
 
@@ -429,12 +444,30 @@ def _validate_data(d: DataConfig) -> None:
             "data: set exactly one of data.path (a token file), data.source (a built-in corpus) "
             "or [[data.sources]] (a blend of token files)"
         )
-    for i, s in enumerate(d.sources):
+    _validate_sources("data", d.sources)
+
+
+def _validate_sources(section: str, sources: tuple[DataSource, ...]) -> None:
+    for i, s in enumerate(sources):
         if not s.path:
-            raise ConfigError(f"data.sources[{i}].path must be set")
+            raise ConfigError(f"{section}.sources[{i}].path must be set")
         if not 0 < s.weight <= MAX_WEIGHT:
-            raise ConfigError(f"data.sources[{i}].weight must be a finite number in "
+            raise ConfigError(f"{section}.sources[{i}].weight must be a finite number in "
                               f"(0, {MAX_WEIGHT:g}] (got {s.weight})")
+
+
+def _validate_eval(e: EvalConfig) -> None:
+    if e.every < 0:
+        raise ConfigError(f"eval.every must be >= 0 (got {e.every})")
+    if e.samples < 0:
+        raise ConfigError(f"eval.samples must be >= 0 (got {e.samples})")
+    _validate_sources("eval", e.sources)
+    if not e.every:
+        return
+    if bool(e.path) == bool(e.sources):
+        raise ConfigError("eval: set exactly one of eval.path (a token file) or "
+                          "[[eval.sources]] (a blend of token files) when eval.every > 0")
+    _positive("eval.samples", e.samples)
 
 
 def _validate_metrics(cfg: JobConfig) -> None:

@@ -210,3 +210,18 @@ class Pipeline:
             else torch.zeros((), device=inputs.device)
         )
         return loss, timing
+
+    def evaluate(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Forward only, through the schedule's evaluation path (no backward, no gradient):
+        this rank's summed micro-batch losses (zero unless it holds the last stage)."""
+        losses: list[torch.Tensor] = []
+        args = (inputs,) if self.has_first else ()
+        self.schedule.eval(
+            *args,
+            target=targets if self.has_last else None,
+            losses=losses if self.has_last else None,
+            return_outputs=False,
+        )
+        if not losses:
+            return torch.zeros((), device=inputs.device)
+        return torch.stack([x.detach() for x in losses]).sum()

@@ -103,6 +103,8 @@ class AgentLink:
             grad_norm=r.grad_norm,
             skipped=r.skipped,
         )
+        if r.eval_loss is not None:  # steps followed by an evaluation (trainer.evaluation)
+            report.eval_loss = r.eval_loss
         if r.mfu is not None:  # known device peak only (trainer.telemetry)
             report.mfu = r.mfu
         if r.bubble_ratio_measured is not None:  # pipeline parallelism only

@@ -101,8 +101,9 @@ class ProgressPrinter:
         eta = elapsed / done * (self.stop_at - r.step)
         mfu = f"  mfu {r.mfu:.1%}" if r.mfu is not None else ""
         skipped = f"  skipped ({r.skipped})" if r.skipped else ""
+        evaluated = f"  eval {r.eval_loss:.4f}" if r.eval_loss is not None else ""
         line = (
-            f"step {r.step}/{self.stop_at}  loss {r.loss:.4f}  lr {r.lr:.2e}"
+            f"step {r.step}/{self.stop_at}  loss {r.loss:.4f}{evaluated}  lr {r.lr:.2e}"
             f"  {r.tokens / r.step_seconds:,.0f} tok/s{mfu}  eta {eta:.0f}s{skipped}"
         )
         end = "" if self.tty and r.step < self.stop_at else "\n"

@@ -205,15 +205,19 @@ def _tokenizer_identity(header: TokenFileHeader) -> str:
     return header.tokenizer_sha256 or header.tokenizer
 
 
-def open_stream(data: DataConfig, seq_len: int, seed: int, vocab_size: int) -> SampleStream:
+def open_stream(
+    data: DataConfig, seq_len: int, seed: int, vocab_size: int, section: str = "data"
+) -> SampleStream:
+    """The stream of `data`; `section` names its fields in errors ("eval" for [eval])."""
     if data.sources:
-        named = [(Path(s.path).expanduser(), f"data.sources[{i}].path") for i, s in enumerate(data.sources)]
+        named = [(Path(s.path).expanduser(), f"{section}.sources[{i}].path")
+                 for i, s in enumerate(data.sources)]
         weights = [s.weight for s in data.sources]
     elif data.source:
         named = [(builtin_corpus(data.source, Path(data.cache_dir)), "data.source")]
         weights = [1.0]
     else:
-        named = [(Path(data.path).expanduser(), "data.path")]
+        named = [(Path(data.path).expanduser(), f"{section}.path")]
         weights = [1.0]
     sources, first = [], None
     for k, (path, field) in enumerate(named):

@@ -32,7 +32,8 @@ from parallel.recompute import RecomputeMeter
 from parallel.reproducible import ExactGradients, enable_deterministic_kernels, place_gradients
 from parallel.tensor_parallel import local_loss, vocab_parallel_loss
 from parallel.zero import ShardedAdamW
-from trainer.data import SampleStream, open_stream, step_micro_batches
+from trainer.data import MicroBatch, SampleStream, open_stream, step_micro_batches
+from trainer.evaluation import eval_due, eval_micro_batches, eval_rounds, open_eval_stream
 from trainer.fault_injection import NonFiniteInjection
 from trainer.memory_meter import MeasuredMemory
 from trainer.nonfinite import SkipStreak, agree_skip
@@ -62,6 +63,9 @@ class StepResult:
     lr: float = 0.0  # the schedule's learning rate of this step
     mfu: float | None = None  # model FLOPs utilisation (trainer.telemetry); None: peak unknown
     skipped: str = ""  # why the update was skipped on every rank (trainer.nonfinite); "" none
+    # Mean token loss of the held-out set after this step's update (trainer.evaluation); None
+    # at steps without an evaluation.
+    eval_loss: float | None = None
 
 
 def learning_rate(t: TrainConfig, step: int) -> float:
@@ -148,6 +152,10 @@ class Trainer:
         self.stream = stream or open_stream(
             cfg.data, cfg.train.seq_len, cfg.train.seed, cfg.model.vocab_size
         )
+        self.eval_stream = open_eval_stream(cfg)
+        # The token count a micro-batch's summed loss is divided by: the step's, or the held-out
+        # set's while evaluating.
+        self._loss_tokens = self.step_tokens
         self.dp_rank = mesh["dp"].get_local_rank() if mesh is not None else 0
         self.cp_rank = mesh["cp"].get_local_rank() if mesh is not None else 0
         # Loss and token sums reduce over dp x cp: each cp rank holds a share of the tokens.
@@ -178,7 +186,7 @@ class Trainer:
         # With tp > 1 the logits are sharded on the vocabulary and this runs (with its backward)
         # under `vocab_parallel_loss`; the loss is then a replicated DTensor, made local here
         # (to_local is differentiable) so that callers and the pipeline see plain tensors.
-        loss = local_loss(cross_entropy_sum(logits, targets) / self.step_tokens)
+        loss = local_loss(cross_entropy_sum(logits, targets) / self._loss_tokens)
         return loss * math.nan if self._inject_loss else loss
 
     def train_step(self) -> StepResult:
@@ -224,6 +232,7 @@ class Trainer:
         self.progress.consumed_samples += t.global_batch
         self.skips.record(self.progress.step, skipped)
         step_seconds = time.perf_counter() - start
+        eval_loss = self.evaluate() if eval_due(self.cfg.eval, self.progress.step) else None
         return StepResult(
             step=self.progress.step,
             loss=loss,
@@ -237,7 +246,62 @@ class Trainer:
             lr=lr,
             mfu=mfu(self.flops_per_step, step_seconds, self.devices, self.peak_flops),
             skipped=skipped,
+            eval_loss=eval_loss,
         )
+
+    def evaluate(self) -> float:
+        """The mean token loss of the held-out set (trainer.evaluation), without gradients; the
+        same value on every rank. Moves neither the training stream nor the model's state."""
+        assert self.eval_stream is not None, "evaluate() needs [eval] every > 0"
+        e, layout = self.cfg.eval, self.layout
+        expected = e.samples * self.cfg.train.seq_len
+        loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
+        tokens = torch.zeros((), dtype=torch.int64, device=self.device)
+        saved = self._loss_tokens, self._inject_loss
+        self._loss_tokens, self._inject_loss = expected, False
+        try:
+            for round_ in range(eval_rounds(e.samples, layout.dp, layout.micro_batch,
+                                            layout.grad_accum)):
+                batches = eval_micro_batches(
+                    self.eval_stream, round_, e.samples, layout.dp, self.dp_rank,
+                    layout.micro_batch, layout.grad_accum, layout.cp, self.cp_rank,
+                )
+                part, counted = self._eval_forward(batches)
+                loss_sum += part.to(torch.float64)
+                tokens += counted
+        finally:
+            self._loss_tokens, self._inject_loss = saved
+        if self.dp_group is not None:
+            reduced = torch.stack([loss_sum, tokens.to(torch.float64)])
+            dist.all_reduce(reduced, group=self.dp_group)
+            loss_sum, tokens = reduced[0], reduced[1].to(torch.int64)
+        if self.pp_group is not None:
+            dist.all_reduce(loss_sum, group=self.pp_group)  # held by the last stage's rank
+        if int(tokens.item()) != expected:
+            raise RuntimeError(
+                f"evaluation read {int(tokens.item())} target tokens, expected {expected}"
+            )
+        return float(loss_sum.item())
+
+    @torch.no_grad()
+    def _eval_forward(self, batches: list[MicroBatch]) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's summed normalised loss (zero on pp ranks without the last stage) and
+        target tokens of one evaluation round."""
+        layout = self.layout
+        if self.pipeline is not None:
+            inputs = torch.cat([mb.inputs for mb in batches]).to(self.device)
+            targets = torch.cat([mb.targets for mb in batches]).to(self.device)
+            with vocab_parallel_loss(layout.tp), compute_context(layout, self.device):
+                loss = local_loss(self.pipeline.evaluate(inputs, targets))
+            return loss.detach(), count_tokens(targets)
+        loss_sum = torch.zeros((), device=self.device)
+        tokens = torch.zeros((), dtype=torch.int64, device=self.device)
+        for mb in batches:
+            inputs, targets = mb.inputs.to(self.device), mb.targets.to(self.device)
+            with vocab_parallel_loss(layout.tp), compute_context(layout, self.device):
+                loss_sum += self._micro_batch_loss(self.model(inputs), targets).detach()
+            tokens += count_tokens(targets)
+        return loss_sum, tokens
 
     def _injects(self, step: int, where: str) -> bool:
         return self.inject is not None and self.inject.applies(step, self.rank, where)

@@ -60,6 +60,16 @@ def finite_or_none(value: float | None) -> float | None:
     return value if value is not None and math.isfinite(value) else None
 
 
+def perplexity(loss: float) -> float | None:
+    """exp(mean token loss); None when that is not a finite number."""
+    if not math.isfinite(loss):
+        return None
+    try:
+        return math.exp(loss)
+    except OverflowError:
+        return None
+
+
 def step_record(r: Any) -> dict[str, Any]:
     """The telemetry fields of a step line (steps.jsonl and --log-format json); r: StepResult."""
     record: dict[str, Any] = {
@@ -70,6 +80,10 @@ def step_record(r: Any) -> dict[str, Any]:
     }
     if r.skipped:
         record["skipped"] = r.skipped
+    eval_loss = getattr(r, "eval_loss", None)
+    if eval_loss is not None:  # a step followed by an evaluation (trainer.evaluation)
+        record["eval_loss"] = finite_or_none(eval_loss)
+        record["eval_ppl"] = perplexity(eval_loss)
     return record
 
 
@@ -91,6 +105,9 @@ class TensorBoard:
             if value is not None and math.isfinite(value):
                 self.writer.add_scalar(tag, value, r.step)
         self.writer.add_scalar("train/skipped", 1.0 if r.skipped else 0.0, r.step)
+        eval_loss = getattr(r, "eval_loss", None)
+        if eval_loss is not None and math.isfinite(eval_loss):
+            self.writer.add_scalar("eval/loss", eval_loss, r.step)
         self.writer.flush()
 
     def close(self) -> None:

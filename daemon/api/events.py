@@ -112,8 +112,13 @@ def render(keys: Keys, ev: Any) -> ClusterEvent | None:
     if name == "progress" and put:
         p = Progress.from_json(kv.value)
         before = Progress.from_json(ev.prev_kv.value) if ev.prev_kv.key else Progress()
-        if not p.skipped_step or (p.generation, p.skipped_step) == (before.generation,
-                                                                     before.skipped_step):
+        new_skip = p.skipped_step and (p.generation, p.skipped_step) != (before.generation,
+                                                                          before.skipped_step)
+        if not new_skip:
+            if p.eval_step and (p.generation, p.eval_step) != (before.generation,
+                                                               before.eval_step):
+                return ClusterEvent(rev, "eval", generation=p.generation,
+                                    message=f"step {p.eval_step}: eval_loss {p.eval_loss:.6g}")
             return None  # routine progress is not news
         return ClusterEvent(rev, "skipped-step", generation=p.generation,
                             message=f"step {p.skipped_step} skipped on every rank "

@@ -61,6 +61,10 @@ class Metrics:
         self.mfu = Gauge("ultra_train_mfu_ratio",
                          "Model FLOPs utilisation of the last step (0-1; NaN: the device's "
                          "peak is unknown, e.g. CPU)", registry=r)
+        self.eval_loss = Gauge("ultra_eval_loss",
+                               "Mean token loss of the [eval] held-out set at the last "
+                               "evaluation (NaN until one ran)", registry=r)
+        self.eval_loss.set(math.nan)
         self.skipped_steps = Counter("ultra_train_skipped_steps_total",
                                      "Steps whose update every rank skipped (non-finite loss "
                                      "or gradient norm), by reason", ["reason"], registry=r)
@@ -172,6 +176,8 @@ class Metrics:
         if report.HasField("learning_rate"):
             self.learning_rate.set(report.learning_rate)
         self.mfu.set(report.mfu if report.HasField("mfu") else math.nan)
+        if report.HasField("eval_loss"):
+            self.eval_loss.set(report.eval_loss)
         if report.skipped:
             # The loss and norm of a skipped step are not finite: the gauges keep the last
             # applied step's, and the counter says what happened.

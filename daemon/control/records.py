@@ -152,6 +152,10 @@ class Progress(Record):
     # and why; 0: none. Each new one is an event (`ultractl events`).
     skipped_step: int = 0
     skipped_reason: str = ""
+    # The newest step of the generation followed by an [eval] pass (trainer/evaluation.py), and
+    # its held-out loss; 0: none. Each new one is an event.
+    eval_step: int = 0
+    eval_loss: float = 0.0
 
 
 @dataclass(frozen=True)
