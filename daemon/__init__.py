@@ -1,3 +1,5 @@
 """ultrad, the per-node agent, and ultractl, its admin CLI."""
 
-__version__ = "0.1.0"
+from parallel.cli_common import version
+
+__version__ = version()

@@ -292,8 +292,11 @@ def _type_name(tp: Any) -> str:
     return getattr(tp, "__name__", str(tp))
 
 
-def _coerce(name: str, tp: Any, value: Any) -> Any:
-    """Check `value` against the annotation `tp`; ints are accepted where floats are expected."""
+def coerce(name: str, tp: Any, value: Any) -> Any:
+    """Check `value` against the annotation `tp`; ints are accepted where floats are expected.
+
+    Shared by every TOML read from outside (a job spec, ultrad's --config): a bool is never an
+    int, a float never an int, a string at most MAX_STRING characters; errors name `name`."""
     tp = str if tp is JobPath else tp
     origin = typing.get_origin(tp)
     if origin is Literal:
@@ -303,7 +306,7 @@ def _coerce(name: str, tp: Any, value: Any) -> Any:
     if origin in (Union, types.UnionType):
         for option in typing.get_args(tp):
             try:
-                return _coerce(name, option, value)
+                return coerce(name, option, value)
             except ConfigError:
                 continue
         raise ConfigError(f"{name} must be {_type_name(tp)} (got {_shown(value)})")
@@ -313,7 +316,7 @@ def _coerce(name: str, tp: Any, value: Any) -> Any:
         if len(value) > MAX_LIST:
             raise ConfigError(f"{name} must have at most {MAX_LIST} items (got {len(value)})")
         item = typing.get_args(tp)[0]
-        return tuple(_coerce(f"{name}[{i}]", item, v) for i, v in enumerate(value))
+        return tuple(coerce(f"{name}[{i}]", item, v) for i, v in enumerate(value))
     if dataclasses.is_dataclass(tp):
         return _build_section(name, tp, value)
     if tp is bool:
@@ -353,7 +356,7 @@ def _build_section(section: str, cls: type, values: Mapping[str, Any]) -> Any:
     for key in values:
         if key not in known:
             raise ConfigError(f"unknown key {section}.{key} (known: {', '.join(sorted(known))})")
-    kwargs = {k: _coerce(f"{section}.{k}", hints[k], v) for k, v in values.items()}
+    kwargs = {k: coerce(f"{section}.{k}", hints[k], v) for k, v in values.items()}
     return cls(**kwargs)
 
 

@@ -51,8 +51,9 @@ def load_or_create_token(token_file: Path | None, state_dir: Path) -> tuple[str,
 
 def split_host_port(address: str, flag: str = "") -> tuple[str, int]:
     host, sep, port = address.rpartition(":")
-    if not sep or not port.isdigit():
-        raise ValueError(f"{flag + ': ' if flag else ''}expected host:port (got {address!r})")
+    if not sep or not port.isascii() or not port.isdigit() or int(port) > 65535:
+        raise ValueError(f"{flag + ': ' if flag else ''}expected host:port, port in [0, 65535] "
+                         f"(got {address!r})")
     return host.strip("[]"), int(port)
 
 

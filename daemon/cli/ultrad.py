@@ -7,8 +7,10 @@
     ultrad local JOB.toml --nodes N --devices-per-node K [--state-dir DIR] [--set k=v ...]
 
 Every flag falls back to an `ULTRA_<FLAG>` environment variable (e.g. ULTRA_NODE_ID), then to
-the TOML file given by --config (keys as the flags, with underscores), then to its default.
-Exit codes: 0 clean stop, 1 failure, 2 usage. SIGTERM drains a running job first (leave at a
+the TOML file given by --config (keys as the flags, with underscores; as strict as a job file:
+types, ranges, unknown keys), then to its default.
+Exit codes: 0 clean stop, 1 failure, 2 usage (a bad flag, variable, --config key or file, one
+line naming it). SIGTERM drains a running job first (leave at a
 step boundary after a checkpoint); SIGINT, or a second SIGTERM, stops at once; SIGHUP is logged
 and ignored (docs/systemd.md).
 """
@@ -19,6 +21,7 @@ import argparse
 import asyncio
 import logging
 import os
+import re
 import socket
 import sys
 from pathlib import Path
@@ -35,19 +38,20 @@ from daemon.procutil import arm_parent_death
 from daemon.secret_files import read_secret
 from daemon.tls_files import read_pem
 from parallel import bounded_toml
+from parallel import job as jobmod
+from parallel.cli_common import Parser, add_version
 
 log = logging.getLogger("ultrad")
 
 
-def path_list(value: Any) -> tuple[str, ...]:
-    """`allowed_paths`: a TOML list of paths, or (flag, env) paths separated by ':'."""
-    items = value.split(os.pathsep) if isinstance(value, str) else value
-    if not isinstance(items, list | tuple) or not all(isinstance(p, str) for p in items):
-        raise TypeError(value)
-    return tuple(p for p in items if p)
+PathList = tuple[str, ...]  # `allowed_paths`: a TOML list, or (flag, env) paths joined by ':'
+LOG_LEVELS = ("debug", "info", "warning", "error")
+MAX_DEVICES = 1024  # per node
+MAX_DEVICE_MEMORY = 2**50  # bytes per device (a PiB)
 
-# name: (type, default, help); None default = required.
-_OPTIONS: dict[str, tuple[type, Any, str]] = {
+# name: (type, default, help); None default = required. The type is what a --config value must
+# be (checked as a job file's values are); a flag or ULTRA_* variable is text read as that type.
+_OPTIONS: dict[str, tuple[Any, Any, str]] = {
     "etcd": (str, None, "etcd endpoints, comma separated (host:port, http:// or https://)"),
     "etcd_ca": (str, "", "CA (PEM) that verifies etcd's certificate (https:// without it: "
                          "the system's roots)"),
@@ -67,7 +71,7 @@ _OPTIONS: dict[str, tuple[type, Any, str]] = {
     "token_file": (str, "", "admin bearer token file (default: generated in the state dir)"),
     "job": (str, "default", "job namespace in etcd: keys live under /ultrascale/<job>/"),
     "job_file": (str, "", "job file (TOML) to submit at start unless a job is already stored"),
-    "allowed_paths": (path_list, "", "directories, separated by ':', that a job's paths (its "
+    "allowed_paths": (PathList, (), "directories, separated by ':', that a job's paths (its "
                                      "output, checkpoint, data and cache directories) must lie "
                                      "under (default: the state dir)"),
     "ttl": (int, 5, "lease TTL in seconds; every other timeout derives from it"),
@@ -85,7 +89,7 @@ _OPTIONS: dict[str, tuple[type, Any, str]] = {
                      "tmpfs with room for this node's shards and its buddy's): this user's own, "
                      "made mode 0700 if missing; one owned by another user, writable by group "
                      "or others, or a symbolic link is refused"),
-    "log_level": (str, "info", "debug|info|warning|error"),
+    "log_level": (str, "info", "|".join(LOG_LEVELS)),
 }
 _FLAGS = {"insecure": "allow a non-loopback listen address without TLS",
           "no_workers": "control plane only: plan generations but start no worker processes",
@@ -98,51 +102,87 @@ class UsageError(ValueError):
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="ultrad", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--config", help="TOML file with defaults for the flags below")
-    for name, (_, _, help_) in _OPTIONS.items():
-        p.add_argument(f"--{name.replace('_', '-')}", dest=name, default=None, help=help_)
+    p = Parser(prog="ultrad", description=__doc__)
+    add_version(p, "ultrad")
+    p.add_argument("--config", help="TOML file with defaults for the flags below (env "
+                                    "ULTRA_CONFIG)")
+    for name, (_, default, help_) in _OPTIONS.items():
+        # The flags default to None (unset: the variable, the file, then this default).
+        shown = ":".join(default) if isinstance(default, tuple) else default
+        if shown not in (None, "") and "default" not in help_:
+            help_ = f"{help_} (default: {shown})"
+        p.add_argument(f"--{name.replace('_', '-')}", dest=name, default=None,
+                       help=help_.replace("%", "%%"))
     for name, help_ in _FLAGS.items():
         p.add_argument(f"--{name.replace('_', '-')}", dest=name, action="store_true",
                        default=None, help=help_)
     return p
 
 
-def _truthy(value: Any) -> bool:
-    return value is True or str(value).lower() in ("1", "true", "yes", "on")
+_TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off", "")
+_INTEGER = re.compile(r"[+-]?[0-9]+")
+
+
+def _from_text(type_: Any, text: str) -> Any:
+    """A flag's or variable's text as `type_`; ValueError when it is not one."""
+    if type_ is bool:
+        if text.lower() not in _TRUE + _FALSE:
+            raise ValueError
+        return text.lower() in _TRUE
+    if type_ is int:
+        if not _INTEGER.fullmatch(text.strip()):
+            raise ValueError
+        return int(text)
+    if type_ is PathList:
+        return tuple(p for p in text.split(os.pathsep) if p)
+    return type_(text)
+
+
+def _type_name(type_: Any) -> str:
+    return {PathList: f"paths separated by '{os.pathsep}'", bool: "true or false"}.get(
+        type_, getattr(type_, "__name__", str(type_)))
+
+
+def _read_config(config: str) -> dict[str, Any]:
+    try:
+        values = bounded_toml.loads(Path(config).read_text(), f"--config {config}")
+    except OSError as exc:
+        raise UsageError(f"--config {config}: {exc.strerror or exc}") from None
+    except bounded_toml.TomlError as exc:
+        raise UsageError(str(exc)) from None
+    known = set(_OPTIONS) | set(_FLAGS)
+    unknown = sorted(set(values) - known)
+    if unknown:
+        raise UsageError(f"--config {config}: unknown key(s) {', '.join(unknown)} "
+                         f"(known: {', '.join(sorted(known))})")
+    return values
 
 
 def resolve_options(args: argparse.Namespace, env: dict[str, str]) -> dict[str, Any]:
     """flag > ULTRA_* env > --config file > default, with types checked and fields named."""
-    file_values: dict[str, Any] = {}
     config = args.config or env.get("ULTRA_CONFIG")
-    if config:
-        try:
-            file_values = bounded_toml.loads(Path(config).read_text(), f"--config {config}")
-        except OSError as exc:
-            raise UsageError(f"--config {config}: {exc}") from None
-        except bounded_toml.TomlError as exc:
-            raise UsageError(str(exc)) from None
-        unknown = set(file_values) - set(_OPTIONS) - set(_FLAGS)
-        if unknown:
-            raise UsageError(f"--config {config}: unknown key(s) {', '.join(sorted(unknown))}")
+    file_values = _read_config(config) if config else {}
     out: dict[str, Any] = {}
     for name, (type_, default, _) in {**_OPTIONS, **{f: (bool, False, "") for f in _FLAGS}}.items():
-        for value in (getattr(args, name), env.get(f"ULTRA_{name.upper()}"),
-                      file_values.get(name)):
-            if value is not None:
-                break
+        flag, var = f"--{name.replace('_', '-')}", f"ULTRA_{name.upper()}"
+        if name in file_values:  # the file's values are TOML, typed: checked as a job's are
+            try:
+                value = jobmod.coerce(f"--config {config}: {name}", type_, file_values[name])
+            except jobmod.ConfigError as exc:
+                raise UsageError(str(exc)) from None
         else:
             value = default
+        for where, text in ((flag, getattr(args, name)), (var, env.get(var))):
+            if text is None:
+                continue
+            try:
+                value = text if isinstance(text, bool) else _from_text(type_, text)
+            except ValueError:
+                raise UsageError(f"{where} must be {_type_name(type_)} (got {text!r})") from None
+            break
         if value is None:
-            raise UsageError(f"--{name.replace('_', '-')} is required "
-                             f"(or ULTRA_{name.upper()}, or `{name}` in --config)")
-        try:
-            out[name] = _truthy(value) if type_ is bool else type_(value)
-        except (TypeError, ValueError):
-            raise UsageError(f"--{name.replace('_', '-')} must be {type_.__name__} "
-                             f"(got {value!r})") from None
+            raise UsageError(f"{flag} is required (or {var}, or `{name}` in --config)")
+        out[name] = value
     return out
 
 
@@ -155,10 +195,14 @@ def build_config(opts: dict[str, Any]) -> Any:
         check_name("--job", opts["job"])
     except ValueError as exc:
         raise UsageError(str(exc)) from None
-    if opts["devices"] < 0:
-        raise UsageError(f"--devices must be >= 0 (got {opts['devices']})")
-    if opts["device_memory"] < 0:
-        raise UsageError(f"--device-memory must be >= 0 bytes (got {opts['device_memory']})")
+    if not 0 <= opts["devices"] <= MAX_DEVICES:
+        raise UsageError(f"--devices must be in [0, {MAX_DEVICES}] (got {opts['devices']})")
+    if not 0 <= opts["device_memory"] <= MAX_DEVICE_MEMORY:
+        raise UsageError(f"--device-memory must be in [0, 2**50] bytes "
+                         f"(got {opts['device_memory']})")
+    if opts["log_level"].lower() not in LOG_LEVELS:
+        raise UsageError(f"--log-level must be one of {', '.join(LOG_LEVELS)} "
+                         f"(got {opts['log_level']!r})")
     if not 0 <= opts["etcd_outage"] <= 86400:  # also refuses nan and inf
         raise UsageError(f"--etcd-outage must be in [0, 86400] seconds "
                          f"(got {opts['etcd_outage']})")
@@ -175,6 +219,8 @@ def build_config(opts: dict[str, Any]) -> Any:
         raise UsageError("--tls-ca needs --tls-cert and --tls-key (it makes the TLS listener "
                          "require client certificates; alone it would leave it plain text)")
     state_dir = Path(opts["state_dir"]).expanduser()
+    check_directory("--state-dir", state_dir)
+    check_directory("--snapshot-dir", Path(opts["snapshot_dir"]).expanduser())
     allowed_paths = tuple(Path(p).expanduser().absolute() for p in opts["allowed_paths"])
     job_roots = allowed_paths or (state_dir,)
     tls = None
@@ -215,6 +261,21 @@ def build_config(opts: dict[str, Any]) -> Any:
         etcd_outage_s=opts["etcd_outage"],
         snapshot_base=Path(opts["snapshot_dir"]).expanduser(),
     )
+
+
+def check_directory(flag: str, path: Path) -> None:
+    """UsageError unless `path` is a directory or could be made one (its first existing
+    ancestor is a directory); permissions are checked where it is used."""
+    for here in (path, *path.parents):
+        try:
+            exists, is_dir = here.exists(), here.is_dir()
+        except OSError:  # not searchable: the agent reports it where it uses the path
+            return
+        if exists:
+            if not is_dir:
+                where = "" if here == path else f" ({here} is a file)"
+                raise UsageError(f"{flag} {path}: not a directory{where}")
+            return
 
 
 def _etcd_security(opts: dict[str, Any]) -> Any:

@@ -71,7 +71,7 @@ def test_flags_fall_back_to_env_then_config_file(tmp_path: Path) -> None:
     assert build_config(opts).device_memory == 80_000_000_000
     opts = resolve_options(_parser().parse_args(
         ["--etcd", "h:1", "--devices", "1", "--device-memory", "-1"]), {})
-    with pytest.raises(UsageError, match="--device-memory must be >= 0"):
+    with pytest.raises(UsageError, match=r"--device-memory must be in \[0, 2\*\*50\]"):
         build_config(opts)
 
 

@@ -83,7 +83,7 @@ def test_ultrad_reads_allowed_paths_from_config_flag_and_env(tmp_path: Path) -> 
     assert cfg.allowed_paths == (Path("/a"), Path("/b")) and cfg.job_roots == cfg.allowed_paths
     assert _config(tmp_path, "", "--allowed-paths", "/c:/d").allowed_paths == (Path("/c"),
                                                                                 Path("/d"))
-    with pytest.raises(UsageError, match="--allowed-paths"):
+    with pytest.raises(UsageError, match="agent.toml: allowed_paths must be a list"):
         _config(tmp_path, "allowed_paths = 5\n")
 
 
