@@ -28,7 +28,8 @@ from pathlib import Path
 
 import torch
 
-from parallel.job import ConfigError, JobConfig, ModelConfig, from_dict, load, loads
+from parallel.cli_common import Parser, add_version
+from parallel.job import MAX_STEPS, ConfigError, JobConfig, ModelConfig, from_dict, load, loads
 
 EXIT_USAGE = 2
 MODEL_PREFIX = "state.model."
@@ -131,15 +132,26 @@ def import_(args: argparse.Namespace) -> int:
     return 0
 
 
+def _step(text: str) -> int:
+    try:
+        step = int(text)
+    except ValueError:
+        step = -1
+    if not 0 <= step <= MAX_STEPS:
+        raise argparse.ArgumentTypeError(f"expected a step in [0, {MAX_STEPS}] (got {text!r})")
+    return step
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(prog="ultrascale-hf",
-                                 description="Hugging Face weights out of and into checkpoints.")
+    ap = Parser(prog="ultrascale-hf", description=__doc__)
+    add_version(ap, "ultrascale-hf")
     sub = ap.add_subparsers(dest="command", required=True)
     ex = sub.add_parser("export", help="a durable checkpoint -> a Hugging Face directory")
     ex.add_argument("checkpoint_dir", type=Path, help="checkpoint.dir (or one step_* in it)")
-    ex.add_argument("out_dir", type=Path)
-    ex.add_argument("--step", type=int, help="the checkpoint of this step (default: newest)")
-    ex.add_argument("--dtype", choices=("bf16", "fp32"), default="fp32")
+    ex.add_argument("out_dir", type=Path, help="the Hugging Face directory to write")
+    ex.add_argument("--step", type=_step, help="the checkpoint of this step (default: newest)")
+    ex.add_argument("--dtype", choices=("bf16", "fp32"), default="fp32",
+                    help="dtype of the written weights")
     ex.add_argument("--job", type=Path, help="the job's TOML, for checkpoints that do not "
                                              "record the model")
     ex.add_argument("--max-shard-bytes", type=int, default=0, help=argparse.SUPPRESS)

@@ -39,6 +39,7 @@ from typing import Any, TextIO
 
 import numpy as np
 
+from parallel.cli_common import Parser, add_version
 from trainer.tokens import (
     DTYPES,
     TokenFileHeader,
@@ -499,18 +500,25 @@ def builtin_corpus(name: str, cache_dir: Path) -> Path:
     return out
 
 
+MAX_WORKERS = 1024
+
+
 def _workers(value: str) -> int:
-    n = int(value)
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1 (got {n})")
+    try:
+        n = int(value)
+    except ValueError:
+        n = 0
+    if not 1 <= n <= MAX_WORKERS:
+        raise argparse.ArgumentTypeError(f"expected an integer in [1, {MAX_WORKERS}] (got {value!r})")
     return n
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(
+    ap = Parser(
         prog="ultrascale-prepare",
         description="Tokenize text, .jsonl and .parquet files into a token file (docs/data.md).",
     )
+    add_version(ap, "ultrascale-prepare")
     ap.add_argument("out", type=Path, help="output token file (.bin); .json and .idx go beside it")
     ap.add_argument("inputs", type=Path, nargs="+", help="files or directories (read recursively)")
     ap.add_argument(
@@ -520,14 +528,21 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--workers",
         type=_workers,
-        default=_workers(os.environ.get("ULTRA_PREPARE_WORKERS", "1")),
+        default=None,
         help="tokenizer processes (env ULTRA_PREPARE_WORKERS; default 1)",
     )
     ap.add_argument("--eos-token", help="the end-of-document token (default: from the tokenizer)")
     ap.add_argument("-o", "--output", choices=("text", "json"), default="text",
                     help="format of the summary on stdout")
     args = ap.parse_args(argv)
+    if args.workers is None:
+        try:
+            args.workers = _workers(os.environ.get("ULTRA_PREPARE_WORKERS") or "1")
+        except argparse.ArgumentTypeError as exc:
+            ap.error(f"ULTRA_PREPARE_WORKERS: {exc}")
     try:
+        if args.out.is_dir():
+            raise PrepareError(f"{args.out}: is a directory (OUT is the token file to write)")
         total = sum(f.stat().st_size for f in input_files(args.inputs))
         progress = Progress(total)
         header = prepare(
@@ -540,10 +555,10 @@ def main(argv: list[str] | None = None) -> int:
             progress=progress,
         )
     except PrepareError as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        print(f"ultrascale-prepare: {exc}", file=sys.stderr)
         return exc.exit_code
     except OSError as exc:
-        print(f"error: {exc.filename}: {exc.strerror}", file=sys.stderr)
+        print(f"ultrascale-prepare: {exc.filename}: {exc.strerror}", file=sys.stderr)
         return EXIT_FAILURE
     progress.done()
     main_rss, worker_rss = peak_rss_bytes()

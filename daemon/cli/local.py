@@ -32,10 +32,12 @@ import grpc
 
 from daemon.api.auth import call_metadata, load_or_create_token
 from daemon.api.grpc_limits import MESSAGE_OPTIONS
-from daemon.cli.ctlconfig import Context, config_path, save_context
+from daemon.cli.ctlconfig import Context, ContextError, config_path, save_context
+from daemon.cli.usage import MAX_DEVICES, UsageError, check_directory
 from daemon.control.etcd_server import EtcdServer
 from daemon.procutil import parent_death_env, terminate
 from parallel import job as jobmod
+from parallel.cli_common import Parser, add_version
 from parallel.job_paths import job_path, set_paths
 from proto.ultrascale.v1 import agent_pb2 as pb
 from proto.ultrascale.v1 import agent_pb2_grpc as pb_grpc
@@ -43,6 +45,11 @@ from proto.ultrascale.v1 import agent_pb2_grpc as pb_grpc
 
 class LocalError(RuntimeError):
     pass
+
+
+class AgentRefused(LocalError):
+    """An agent exited with its usage code (2): a flag, ULTRA_* variable or config it was
+    given is wrong, so `ultrad local` exits 2 too, with the agent's own line."""
 
 
 class Stopped(Exception):
@@ -161,8 +168,11 @@ class LocalCluster:
             if path.exists():
                 return json.loads(path.read_text())
             if self.agents[node].poll() is not None:
+                log = self.state_dir / node / "ultrad.log"
+                if self.agents[node].returncode == 2:
+                    raise AgentRefused(f"agent {node}: {_last_line(log)}")
                 raise LocalError(f"agent {node} exited with {self.agents[node].returncode}; "
-                                 f"see {self.state_dir / node / 'ultrad.log'}")
+                                 f"see {log}")
             time.sleep(0.05)
         raise LocalError(f"agent {node} did not come up; see {self.state_dir / node}")
 
@@ -191,6 +201,14 @@ class LocalCluster:
         finally:
             if self._own_snapshot_dir and self.snapshot_dir is not None:
                 shutil.rmtree(self.snapshot_dir, ignore_errors=True)
+
+
+def _last_line(path: Path) -> str:
+    try:
+        lines = path.read_text(errors="replace").strip().splitlines()
+    except OSError as exc:
+        return f"{path}: {exc.strerror}"
+    return lines[-1] if lines else f"no output (see {path})"
 
 
 def _pythonpath() -> str:
@@ -275,6 +293,9 @@ def run(args: argparse.Namespace) -> int:
             if not cluster.endpoints():
                 raise LocalError("every agent has exited")
             time.sleep(0.5)
+    except (AgentRefused, ContextError) as exc:  # a bad flag, variable or ultractl config
+        print(f"ultrad local: {exc}", file=sys.stderr)
+        return 2
     except KeyboardInterrupt:
         print("\nultrad local: interrupted; stopping", file=sys.stderr)
         return 130
@@ -293,15 +314,25 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="ultrad local", description=__doc__)
+    p = Parser(prog="ultrad local", description=__doc__)
+    add_version(p, "ultrad")
     p.add_argument("job_file", help="job spec (TOML)")
-    p.add_argument("--nodes", type=int, default=3)
-    p.add_argument("--devices-per-node", type=int, default=1)
+    p.add_argument("--nodes", type=int, default=3, help="agents to start")
+    p.add_argument("--devices-per-node", type=int, default=1, help="workers per agent")
     p.add_argument("--state-dir", default="", help="default: a new temporary directory")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="job overrides, as the trainer's --set")
-    p.add_argument("--ttl", type=int, default=3, help="lease TTL of the agents")
+    p.add_argument("--ttl", type=int, default=3, help="lease TTL of the agents, in [2, 3600] s")
     args = p.parse_args(argv)
-    if args.nodes < 1 or args.devices_per_node < 1:
-        p.error("--nodes and --devices-per-node must be >= 1")
+    if not 1 <= args.nodes <= 64:
+        p.error(f"--nodes must be in [1, 64] (got {args.nodes})")
+    if not 1 <= args.devices_per_node <= MAX_DEVICES:
+        p.error(f"--devices-per-node must be in [1, {MAX_DEVICES}] (got {args.devices_per_node})")
+    if not 2 <= args.ttl <= 3600:
+        p.error(f"--ttl must be in [2, 3600] seconds (got {args.ttl})")
+    if args.state_dir:
+        try:
+            check_directory("--state-dir", Path(args.state_dir))
+        except UsageError as exc:
+            p.error(str(exc))
     return run(args)

@@ -6,7 +6,7 @@
       drain NODE | cordon NODE | uncordon NODE | checkpoint | events [-f]
       config get-contexts | current-context | use-context NAME | delete-context NAME
              | set-context NAME [--endpoint A[,B...]] [--token-file F] [--tls-ca F]
-      completion bash|zsh
+      completion bash|zsh | version [--client]
 
 Global flags go before or after the command: --endpoint, --token-file, --tls-ca, --context,
 --config, -o/--output table|json|yaml, --timeout, --insecure. Each field comes from its flag,
@@ -35,10 +35,11 @@ import grpc
 import yaml
 from google.protobuf.json_format import MessageToDict
 
-from daemon.cli import completion, configcmd, whatif
+from daemon.cli import completion, configcmd, versioncmd, whatif
 from daemon.cli.ctlconfig import ContextError, config_path
 from daemon.cli.ctlconnect import Agents, TargetError, TLSFiles, Unreachable, resolve_target
 from parallel import job as jobmod
+from parallel.cli_common import Parser, add_version
 from parallel.planner import Plan
 from proto.ultrascale.v1 import agent_pb2 as pb
 
@@ -118,14 +119,14 @@ def _global_flags(p: argparse.ArgumentParser, defaults: Mapping[str, Any] | None
 
 def _command_parser(own_flags: Iterable[str] = (), **kwargs: Any) -> argparse.ArgumentParser:
     """parser_class of every command: an ArgumentParser that takes the global flags too."""
-    p = argparse.ArgumentParser(**kwargs)
+    p = Parser(**kwargs)
     _global_flags(p, None, own_flags)
     return p
 
 
 def _parser(env: Mapping[str, str] | None = None) -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="ultractl", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = Parser(prog="ultractl", description=__doc__)
+    add_version(p, "ultractl")
     _global_flags(p, _env_defaults(os.environ if env is None else env))
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND",
                            parser_class=_command_parser)
@@ -157,6 +158,7 @@ def _parser(env: Mapping[str, str] | None = None) -> argparse.ArgumentParser:
     configcmd.add_parsers(sub, _command_parser)
     sub.add_parser("completion", help="print a shell completion script").add_argument(
         "shell", choices=("bash", "zsh"))
+    versioncmd.add_parser(sub)
     return p
 
 
@@ -253,11 +255,10 @@ def _plan(args: argparse.Namespace) -> int:
         world = whatif.parse_world(args.world) if args.world else None
         if args.job:
             try:
-                job = jobmod.loads(Path(args.job).read_text(), overrides=args.overrides)
-            except OSError as exc:
-                raise CtlError(f"{args.job}: {exc.strerror}", 2) from None
+                job = jobmod.load(args.job, overrides=args.overrides)
             except jobmod.ConfigError as exc:
-                raise CtlError(f"{args.job}: {exc}", 2) from None
+                message = str(exc) if args.job in str(exc) else f"{args.job}: {exc}"
+                raise CtlError(message, 2) from None
             if world is None:
                 raise CtlError("--job needs --world NODESxDEVICES", 2)
         else:
@@ -307,6 +308,8 @@ def run(args: argparse.Namespace) -> int:
     if args.command == "completion":
         print(completion.script(args.shell, "ultractl", _parser()), end="")
         return EXIT_OK
+    if args.command == "version":
+        return versioncmd.run(args, lambda: _connect(args), _emit)
     if args.command == "config":
         try:
             return configcmd.run(args, Path(args.config), _emit)

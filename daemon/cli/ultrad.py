@@ -31,6 +31,7 @@ from checkpoint.snapshot_format import default_base
 from daemon.api.advertise import is_wildcard
 from daemon.api.auth import AuthError, check_listen, is_loopback, split_host_port
 from daemon.api.probes import check_health_listen
+from daemon.cli.usage import MAX_DEVICES, UsageError, check_directory
 from daemon.control.etcd_client import parse_endpoints
 from daemon.control.job_submit import read_job_file
 from daemon.control.keys import check_name
@@ -46,7 +47,6 @@ log = logging.getLogger("ultrad")
 
 PathList = tuple[str, ...]  # `allowed_paths`: a TOML list, or (flag, env) paths joined by ':'
 LOG_LEVELS = ("debug", "info", "warning", "error")
-MAX_DEVICES = 1024  # per node
 MAX_DEVICE_MEMORY = 2**50  # bytes per device (a PiB)
 
 # name: (type, default, help); None default = required. The type is what a --config value must
@@ -95,10 +95,6 @@ _FLAGS = {"insecure": "allow a non-loopback listen address without TLS",
           "no_workers": "control plane only: plan generations but start no worker processes",
           "no_standby_worker": "keep no spare worker process (torch imported) to replace a "
                                "dead worker at once"}
-
-
-class UsageError(ValueError):
-    pass
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -261,21 +257,6 @@ def build_config(opts: dict[str, Any]) -> Any:
         etcd_outage_s=opts["etcd_outage"],
         snapshot_base=Path(opts["snapshot_dir"]).expanduser(),
     )
-
-
-def check_directory(flag: str, path: Path) -> None:
-    """UsageError unless `path` is a directory or could be made one (its first existing
-    ancestor is a directory); permissions are checked where it is used."""
-    for here in (path, *path.parents):
-        try:
-            exists, is_dir = here.exists(), here.is_dir()
-        except OSError:  # not searchable: the agent reports it where it uses the path
-            return
-        if exists:
-            if not is_dir:
-                where = "" if here == path else f" ({here} is a file)"
-                raise UsageError(f"{flag} {path}: not a directory{where}")
-            return
 
 
 def _etcd_security(opts: dict[str, Any]) -> Any:

@@ -24,6 +24,9 @@ DEFAULT_MEMORY = 80 * 10**9  # bytes per device when the operator does not say (
 _UNITS = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12,
           "ki": 2**10, "mi": 2**20, "gi": 2**30, "ti": 2**40}
 _TOP = 5
+# A world as large as a job can use (parallel.job.MAX["parallel.dp"] nodes) and memory as large
+# as ultrad accepts: bounds that keep the search finite.
+MAX_NODES, MAX_DEVICES, MAX_MEMORY = 2**16, 1024, 2**50
 
 
 class WhatIfError(ValueError):
@@ -35,8 +38,12 @@ def parse_world(text: str) -> World:
     m = re.fullmatch(r"\s*(\d+)\s*[xX]\s*(\d+)\s*", text)
     if m is None:
         raise WhatIfError(f"--world: expected NODESxDEVICES such as 4x8 (got {text!r})")
+    nodes, devices = int(m.group(1)), int(m.group(2))
+    if nodes > MAX_NODES or devices > MAX_DEVICES:
+        raise WhatIfError(f"--world: at most {MAX_NODES} nodes of {MAX_DEVICES} devices "
+                          f"(got {text!r})")
     try:
-        return World(int(m.group(1)), int(m.group(2)))
+        return World(nodes, devices)
     except ValueError as exc:
         raise WhatIfError(f"--world: {exc}") from None
 
@@ -46,10 +53,10 @@ def parse_bytes(text: str) -> int:
     m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e[0-9]+)?)\s*([kmgt]i?)?b?\s*", text.lower())
     if m is None:
         raise WhatIfError(f"--memory: expected bytes such as 80G or 24GiB (got {text!r})")
-    value = int(float(m.group(1)) * _UNITS[m.group(2) or ""])
-    if value < 1:
-        raise WhatIfError(f"--memory: must be at least 1 byte (got {text!r})")
-    return value
+    value = float(m.group(1)) * _UNITS[m.group(2) or ""]
+    if not 1 <= value <= MAX_MEMORY:  # also refuses inf
+        raise WhatIfError(f"--memory: must be in [1 byte, 1 PiB] (got {text!r})")
+    return int(value)
 
 
 def parse_free(text: str) -> tuple[str, ...]:

@@ -51,4 +51,4 @@ def test_two_workers_write_what_one_writes(tmp_path):
 def test_a_missing_input_exits_2_naming_it(tmp_path):
     done = _prepare(str(tmp_path / "o.bin"), str(tmp_path / "missing.jsonl"), "--workers", "2")
     assert done.returncode == 2 and done.stdout == ""
-    assert done.stderr == f"error: {tmp_path / 'missing.jsonl'}: no such file or directory\n"
+    assert done.stderr == f"ultrascale-prepare: {tmp_path / 'missing.jsonl'}: no such file or directory\n"

@@ -114,7 +114,7 @@ def test_a_missing_input_is_one_line_and_exit_2(tmp_path, capsys):
     (tmp_path / "a.txt").write_text("x")
     assert prep.main([str(tmp_path / "o.bin"), str(tmp_path / "a.txt"), str(tmp_path / "gone.jsonl")]) == 2
     err = capsys.readouterr().err
-    assert err == f"error: {tmp_path / 'gone.jsonl'}: no such file or directory\n"
+    assert err == f"ultrascale-prepare: {tmp_path / 'gone.jsonl'}: no such file or directory\n"
     assert not (tmp_path / "o.bin").exists()
 
 
