@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import importlib.metadata
 import sys
 from pathlib import Path
 from typing import Any, NoReturn
@@ -45,6 +44,8 @@ def version() -> str:
     found = version_from_pyproject(PYPROJECT)
     if found is not None:
         return found
+    import importlib.metadata  # 50 ms: only where there is no pyproject.toml
+
     try:
         return importlib.metadata.version(DISTRIBUTION)
     except importlib.metadata.PackageNotFoundError:

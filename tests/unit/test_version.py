@@ -9,7 +9,6 @@ import os
 import re
 import subprocess
 import sys
-import tomllib
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -18,14 +17,15 @@ import pytest
 
 import daemon
 from daemon.cli import versioncmd
-from parallel import cli_common
+from parallel import bounded_toml, cli_common
 from proto.ultrascale.v1 import agent_pb2 as pb
 from tests.unit.test_daemon_structure import repository_files
 
 pytestmark = pytest.mark.unit
 
 REPO = Path(__file__).resolve().parents[2]
-VERSION = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["version"]
+PYPROJECT = bounded_toml.loads((REPO / "pyproject.toml").read_text(), "pyproject.toml")
+VERSION = PYPROJECT["project"]["version"]
 # Module and the name it prints, for every console script.
 COMMANDS = {"daemon.cli.ultrad": "ultrad", "daemon.cli.ultractl": "ultractl",
             "trainer.prepare": "ultrascale-prepare", "trainer.hf_cli": "ultrascale-hf"}
