@@ -9,10 +9,10 @@
 Every flag falls back to an `ULTRA_<FLAG>` environment variable (e.g. ULTRA_NODE_ID), then to
 the TOML file given by --config (keys as the flags, with underscores; as strict as a job file:
 types, ranges, unknown keys), then to its default.
-Exit codes: 0 clean stop, 1 failure, 2 usage (a bad flag, variable, --config key or file, one
-line naming it). SIGTERM drains a running job first (leave at a
-step boundary after a checkpoint); SIGINT, or a second SIGTERM, stops at once; SIGHUP is logged
-and ignored (docs/systemd.md).
+Exit codes: 0 clean stop, 1 failure, 2 usage (a bad flag, variable, --config key or file: one
+line naming it). SIGTERM drains a running job first (leave at a step boundary after a
+checkpoint); SIGINT, or a second SIGTERM, stops at once; SIGHUP is logged and ignored
+(docs/systemd.md). `ultrad --version` prints the version.
 """
 
 from __future__ import annotations
@@ -60,7 +60,7 @@ _OPTIONS: dict[str, tuple[Any, Any, str]] = {
     "etcd_user": (str, "", "etcd user, when etcd auth is enabled"),
     "etcd_password_file": (str, "", "file holding that user's password (mode 0600)"),
     "node_id": (str, socket.gethostname().split(".")[0], "this node's id (default: hostname)"),
-    "devices": (int, None, "devices (workers) on this node"),
+    "devices": (int, None, f"devices (workers) on this node, in [0, {MAX_DEVICES}] (required)"),
     "device_memory": (int, 0, "bytes of memory per device, for the planner's memory check of "
                               "jobs that allow re-planning (0: unknown, not checked)"),
     "listen": (str, "127.0.0.1:7400", "gRPC listen address for ultractl and peers"),
