@@ -14,6 +14,7 @@ import sys
 import time
 from pathlib import Path
 
+from parallel.cli_common import Parser, add_version
 from parallel.job import ConfigError, JobConfig, load
 from trainer.telemetry import finite_or_none, step_record
 
@@ -21,9 +22,8 @@ EXIT_USAGE = 2
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(
-        prog="python -m trainer", description="Train a Llama on the job's layout."
-    )
+    ap = Parser(prog="python -m trainer", description="Train a Llama on the job's layout.")
+    add_version(ap, "ultrascale trainer")
     ap.add_argument("--config", required=True, type=Path, help="job TOML file")
     ap.add_argument(
         "--steps",
@@ -43,7 +43,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         metavar="KEY=VALUE",
         help="override a config key, e.g. --set parallel.zero=2 (repeatable)",
     )
-    ap.add_argument("--log-format", choices=("json", "text"), default="text")
+    ap.add_argument("--log-format", choices=("json", "text"), default="text",
+                    help="rank 0's step lines on stdout")
     return ap.parse_args(argv)
 
 

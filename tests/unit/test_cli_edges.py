@@ -126,6 +126,12 @@ CASES = {
     "hf import --job missing": Case((*HF, "import", "{tmp}", "{tmp}/ck", "--job",
                                      "{tmp}/job.toml"), "job.toml"),
     "hf import no model": Case((*HF, "import", "{tmp}", "{tmp}/ck"), "config.json"),
+    # python -m trainer (under torchrun or alone)
+    "trainer missing job": Case(("trainer", "--config", "{tmp}/job.toml"), "job.toml"),
+    "trainer --steps x": Case(("trainer", "--config", "{tmp}/job.toml", "--steps", "x"),
+                              "--steps", {"job.toml": JOB}),
+    "trainer --steps 0": Case(("trainer", "--config", "{tmp}/job.toml", "--steps", "0"),
+                              "--steps", {"job.toml": JOB}),
     # ultractl
     "ultractl plan bad job": Case((*CTL, "plan", "--job", "{tmp}/job.toml", "--world", "2x2"),
                                   "job.toml: not valid TOML", {"job.toml": "[model\n"}),

@@ -28,7 +28,8 @@ PYPROJECT = bounded_toml.loads((REPO / "pyproject.toml").read_text(), "pyproject
 VERSION = PYPROJECT["project"]["version"]
 # Module and the name it prints, for every console script.
 COMMANDS = {"daemon.cli.ultrad": "ultrad", "daemon.cli.ultractl": "ultractl",
-            "trainer.prepare": "ultrascale-prepare", "trainer.hf_cli": "ultrascale-hf"}
+            "trainer.prepare": "ultrascale-prepare", "trainer.hf_cli": "ultrascale-hf",
+            "trainer": "ultrascale trainer"}
 
 
 def _run(*argv: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
