@@ -11,6 +11,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client.parser import text_string_to_metric_families
 
+from parallel.cli_common import version
 from proto.ultrascale.v1 import agent_pb2 as pb
 from proto.ultrascale.v1 import agent_pb2_grpc as pb_grpc
 from tests.integration.conftest import TTL, Cluster, etcd_call, wait_until
@@ -44,6 +45,11 @@ def test_status_nodes_and_plan(shared_cluster: Cluster) -> None:
     assert status["state"] == "running" and status["reason"] == ""
     # kubectl habit: the output flag after the command works too.
     assert json.loads(c.ctl("nodes", "-o", "json").stdout) == nodes
+
+
+def test_ultractl_version_asks_the_agents(shared_cluster: Cluster) -> None:
+    versions = json.loads(shared_cluster.ctl("-o", "json", "version").stdout)
+    assert versions == {"client": version(), "agents": dict.fromkeys(("n1", "n2", "n3"), version())}
 
 
 def test_wrong_or_missing_token_is_unauthenticated(shared_cluster: Cluster, tmp_path) -> None:
