@@ -20,6 +20,12 @@ The rules (docs/architecture.md, "Failure handling"):
   (at once when the running generation has not committed a step yet).
 - When no layout fits the ready nodes, the job is `pending` with the planner's reason; if that
   is because members of the running generation drain, it still stops at a boundary first.
+- A `cancel` request (about the current submission) makes the job `cancelling`: the running
+  generation stops at a step boundary with a durable checkpoint, as for a planned change, and
+  the job is `cancelled` instead of replanned. A generation that has failed, or that does not
+  reach a boundary within the planned-stop timeout, is cancelled without one (the reason says
+  so); a job without a generation is cancelled at once. `cancelled`, like `failed` and
+  `finished`, lasts until a new submission.
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ from collections.abc import Mapping
 
 from daemon.control.crash_loop import crash_loop_verdict, retry_delay
 from daemon.control.records import (
+    ENDED,
     IMPLICATING,
     ControlOp,
     ControlRequest,
@@ -114,12 +121,15 @@ class _Decider:
 
     def run(self) -> Decision:
         probing = self._consume_requests()
-        if self.status.state == JobState.FAILED:
+        if self.status.state in (JobState.FAILED, JobState.CANCELLED):
             return self._finish()
         p, plan = self.s.progress, self.plan
         if plan is not None and p.finished and p.generation == plan.generation:
             if self.status.state != JobState.FINISHED:
                 self._set(JobState.FINISHED, f"finished at step {p.step}")
+            return self._finish()
+        if self.status.cancelling:
+            self._cancel()
             return self._finish()
         if probing:  # replace the generation once the probe has revoked the dead's leases
             return self._finish()
@@ -159,6 +169,11 @@ class _Decider:
                 self._set(JobState.FAILED, req.message)
             elif req.op == ControlOp.FAILURE:
                 probe |= self._record_failure(req)
+            elif req.op == ControlOp.CANCEL:
+                # A cancel of an earlier submission, or of a job that already ended, is void.
+                if req.spec_revision == self.s.spec_revision and \
+                        self.status.state not in ENDED and not self.status.cancelling:
+                    self.status = dataclasses.replace(self.status, cancelling=True)
             else:
                 continue  # drain/cordon/uncordon are applied by the node they name
             consumed.append(request_id)
@@ -317,6 +332,35 @@ class _Decider:
             self.status = dataclasses.replace(self.status, failures=())
         return self._finish()
 
+    def _cancel(self) -> None:
+        """Stop the running generation at a boundary with a checkpoint, then `cancelled`."""
+        plan, p, d, c = self.plan, self.s.progress, self.directive, self.s.checkpoint
+        saved = f"last durable checkpoint: step {c.step}" if c.step >= 0 and c.path else \
+            "no durable checkpoint"
+        if plan is None:
+            self._set(JobState.CANCELLED, "cancelled before any generation started")
+            return
+        if p.generation == plan.generation and p.stopped:
+            self._set(JobState.CANCELLED, f"cancelled at step {p.step} ({saved})")
+            return
+        failures = self.status.failures
+        if failures and failures[-1].generation == plan.generation:
+            self._set(JobState.CANCELLED, f"cancelled after generation {plan.generation} "
+                                          f"failed ({saved})")
+            return
+        if not d.stop:
+            self.directive = dataclasses.replace(d, stop=True, reason="cancel", time=self.s.now)
+            d = self.directive
+        deadline = d.time + boundary_timeout(self.fault)
+        if self.s.now < deadline:
+            self._set(self.status.state, "cancelling: stopping at the next step boundary after "
+                                         "a durable checkpoint")
+            self._wake(deadline)
+            return
+        self._set(JobState.CANCELLED, f"cancelled without a checkpoint: generation "
+                                      f"{plan.generation} did not stop at a step boundary within "
+                                      f"{boundary_timeout(self.fault):.0f}s ({saved})")
+
     def _stop_for_drain(self) -> None:
         """No layout fits without the draining nodes: still stop the running generation at a
         boundary, with a checkpoint, so they can leave without losing a step (the job then
@@ -360,7 +404,8 @@ class _Decider:
 
 
 def _status_key(status: JobStatus) -> tuple[object, ...]:
-    return (status.state, status.reason, status.failures, status.spec_revision)
+    return (status.state, status.reason, status.failures, status.spec_revision,
+            status.cancelling)
 
 
 def _lost_only(failure: FailureRecord, members: Mapping[str, MemberInfo]) -> bool:
