@@ -20,12 +20,8 @@ The rules (docs/architecture.md, "Failure handling"):
   (at once when the running generation has not committed a step yet).
 - When no layout fits the ready nodes, the job is `pending` with the planner's reason; if that
   is because members of the running generation drain, it still stops at a boundary first.
-- A `cancel` request (about the current submission) makes the job `cancelling`: the running
-  generation stops at a step boundary with a durable checkpoint, as for a planned change, and
-  the job is `cancelled` instead of replanned. A generation that has failed, or that does not
-  reach a boundary within the planned-stop timeout, is cancelled without one (the reason says
-  so); a job without a generation is cancelled at once. `cancelled`, like `failed` and
-  `finished`, lasts until a new submission.
+- A `cancel` request about the current submission: the running generation stops at a boundary
+  with a checkpoint and the job is `cancelled`, not re-planned (cancel.py), until a new one.
 """
 
 from __future__ import annotations
@@ -33,6 +29,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping
 
+from daemon.control.cancel import cancel_step
 from daemon.control.crash_loop import crash_loop_verdict, retry_delay
 from daemon.control.records import (
     ENDED,
@@ -333,33 +330,13 @@ class _Decider:
         return self._finish()
 
     def _cancel(self) -> None:
-        """Stop the running generation at a boundary with a checkpoint, then `cancelled`."""
-        plan, p, d, c = self.plan, self.s.progress, self.directive, self.s.checkpoint
-        saved = f"last durable checkpoint: step {c.step}" if c.step >= 0 and c.path else \
-            "no durable checkpoint"
-        if plan is None:
-            self._set(JobState.CANCELLED, "cancelled before any generation started")
-            return
-        if p.generation == plan.generation and p.stopped:
-            self._set(JobState.CANCELLED, f"cancelled at step {p.step} ({saved})")
-            return
-        failures = self.status.failures
-        if failures and failures[-1].generation == plan.generation:
-            self._set(JobState.CANCELLED, f"cancelled after generation {plan.generation} "
-                                          f"failed ({saved})")
-            return
-        if not d.stop:
-            self.directive = dataclasses.replace(d, stop=True, reason="cancel", time=self.s.now)
-            d = self.directive
-        deadline = d.time + boundary_timeout(self.fault)
-        if self.s.now < deadline:
-            self._set(self.status.state, "cancelling: stopping at the next step boundary after "
-                                         "a durable checkpoint")
-            self._wake(deadline)
-            return
-        self._set(JobState.CANCELLED, f"cancelled without a checkpoint: generation "
-                                      f"{plan.generation} did not stop at a step boundary within "
-                                      f"{boundary_timeout(self.fault):.0f}s ({saved})")
+        step = cancel_step(self.plan, self.s.progress, self.directive, self.s.checkpoint,
+                           self.status.failures, boundary_timeout(self.fault), self.s.now)
+        if self.plan is not None:
+            self.directive = step.directive
+        self._set(JobState.CANCELLED if step.cancelled else self.status.state, step.reason)
+        if step.wake_at is not None:
+            self._wake(step.wake_at)
 
     def _stop_for_drain(self) -> None:
         """No layout fits without the draining nodes: still stop the running generation at a

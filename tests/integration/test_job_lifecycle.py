@@ -18,7 +18,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from daemon.cli.ctlconfig import load_context
+from daemon.cli.ctlconfig import config_path, load_context
 from proto.ultrascale.v1 import agent_pb2 as pb
 from proto.ultrascale.v1 import agent_pb2_grpc as pb_grpc
 from tests.integration.conftest import ROOT, wait_until
@@ -86,7 +86,8 @@ def test_get_logs_cancel_wait_and_submit_again(local, tmp_path: Path) -> None:
     proc, state = local
     home = tmp_path
     log = tmp_path / "local.log"
-    wait_until(lambda: (home / "ultractl" / "config").exists() or proc.poll() is not None, 120,
+    config = config_path({"XDG_CONFIG_HOME": str(home)})
+    wait_until(lambda: config.exists() or proc.poll() is not None, 120,
                "ultrad local's context")
     assert proc.poll() is None, log.read_text()
 
@@ -124,7 +125,7 @@ def test_get_logs_cancel_wait_and_submit_again(local, tmp_path: Path) -> None:
     assert bad_rank.returncode == 1
     assert "local ranks 0..0 (got 3)" in one_line(bad_rank)
     # The RPC is an admin RPC: without the token, nothing.
-    ctx = load_context(home / "ultractl" / "config", "local")
+    ctx = load_context(config, "local")
     with grpc.insecure_channel(ctx.endpoints()[0]) as channel:
         stream = pb_grpc.AgentStub(channel).ReadWorkerLog(
             pb.WorkerLogRequest(node="node-0"), timeout=10)
