@@ -18,7 +18,8 @@ from pathlib import Path
 import grpc
 import pytest
 
-from daemon.cli.ctlconfig import config_path, load_context
+from daemon.cli.ctlconfig import config_path, load_context, save_context
+from daemon.cli.local import LocalCluster
 from proto.ultrascale.v1 import agent_pb2 as pb
 from proto.ultrascale.v1 import agent_pb2_grpc as pb_grpc
 from tests.integration.conftest import ROOT, wait_until
@@ -189,3 +190,60 @@ def test_get_logs_cancel_wait_and_submit_again(local, tmp_path: Path) -> None:
     text = log.read_text()
     assert "ultrad local: job cancelled (cancelled at step" in text
     assert "ultrad local: job finished" in text
+
+
+@pytest.fixture
+def control_plane(tmp_path: Path) -> Iterator[Path]:
+    """What `ultrad local` starts, two agents without workers; the `local` context's home."""
+    cluster = LocalCluster(tmp_path / "local", nodes=2, devices_per_node=1, ttl=2,
+                           extra_agent_args=["--no-workers"])
+    try:
+        cluster.start(timeout=120)
+        save_context(config_path({"XDG_CONFIG_HOME": str(tmp_path)}), cluster.context())
+        yield tmp_path
+    finally:
+        cluster.stop()
+
+
+def test_refusals_are_one_line_with_their_exit_code(control_plane: Path) -> None:
+    home = control_plane
+    for argv, code, message in [
+        (("job", "get"), 1, "ultractl: NOT_FOUND: no job submitted"),
+        (("job", "cancel"), 1, "ultractl: FAILED_PRECONDITION: no job submitted"),
+        (("logs", "node-7"), 1, "ultractl: logs: unknown node 'node-7' (members: node-0, "
+                                "node-1)"),
+        (("logs", "node-1"), 1, "ultractl: NOT_FOUND: node 'node-1' runs no workers"),
+        (("logs", "node-1", "--tail", "0"), 2, "ultractl: logs --tail: expected lines >= 1 "
+                                               "(got 0)"),
+        (("wait", "--timeout", "1"), 4, "ultractl: wait: timed out after 1s waiting for "
+                                        "state=finished (job - is none)"),
+        (("job", "get", "-o", "xml"), 2, "ultractl: job get -o: expected one of toml, yaml, "
+                                         "json (got 'xml')"),
+        (("wait", "--for=state=gone"), 2, "ultractl: wait --for: expected state=STATE"),
+    ]:
+        result = ultractl(home, *argv)
+        assert result.returncode == code, (argv, result.stderr)
+        assert one_line(result).startswith(message), (argv, result.stderr)
+
+
+def test_a_generation_that_never_steps_is_cancelled_without_a_checkpoint(
+        control_plane: Path) -> None:
+    """No workers: the plan is written but no step comes; the cancel gives the generation the
+    planned-stop timeout (here 3 s), then cancels it and says no checkpoint was taken."""
+    home = control_plane
+    output = f"job.output_dir=\"{home / 'local' / 'output'}\""
+    submit = ultractl(home, "job", "submit", str(TINY), "--set", output,
+                      "--set", "fault.join_timeout_s=1", "--set", "fault.restore_timeout_s=1",
+                      "--set", "fault.first_step_timeout_s=1")
+    assert submit.returncode == 0, submit.stderr
+    assert ultractl(home, "wait", "--for=state=running", "--timeout", "60").returncode == 0
+    cancel = ultractl(home, "job", "cancel", "-o", "json")
+    assert cancel.returncode == 0, cancel.stderr
+    assert json.loads(cancel.stdout)["job"] == "tiny"
+    done = ultractl(home, "wait", "--for=state=cancelled", "--timeout", "60")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == ("job tiny: cancelled (cancelled without a checkpoint: "
+                                   "generation 1 did not stop at a step boundary within 3s "
+                                   "(no durable checkpoint))")
+    events = ultractl(home, "events", "-o", "json")
+    assert '"message": "job cancelled: cancelled without a checkpoint' in events.stdout
