@@ -25,6 +25,15 @@ class Level:
     choices: tuple[tuple[str, tuple[str, ...]], ...]   # option -> its choices
 
 
+_OFFERED = "completion_choices"
+
+
+def offer(action: argparse.Action, values: tuple[str, ...]) -> None:
+    """Values to complete for an option whose command checks them itself (argparse's `choices`
+    would print a usage error of several lines)."""
+    setattr(action, _OFFERED, values)
+
+
 def levels(parser: argparse.ArgumentParser, path: str = "") -> Iterator[Level]:
     words: list[str] = []
     options: list[str] = []
@@ -42,8 +51,9 @@ def levels(parser: argparse.ArgumentParser, path: str = "") -> Iterator[Level]:
             options.extend(action.option_strings)
             if action.nargs != 0:
                 valued.extend(action.option_strings)
-                if action.choices:
-                    choices += [(o, tuple(str(c) for c in action.choices))
+                offered = action.choices or getattr(action, _OFFERED, ())
+                if offered:
+                    choices += [(o, tuple(str(c) for c in offered))
                                 for o in action.option_strings]
     yield Level(path, tuple(words), tuple(options), tuple(valued), tuple(choices))
     for name, child in children:

@@ -30,6 +30,7 @@ from typing import Any
 import grpc
 import yaml
 
+from daemon.cli import completion
 from daemon.cli.ctlconnect import (
     Agents,
     Target,
@@ -44,6 +45,10 @@ GET_OUTPUTS = ("toml", "yaml", "json")
 WAIT_STATES = ("finished", "cancelled", "failed", "running", "pending")
 ENDED = frozenset({"finished", "failed", "cancelled"})
 POLL_S = 0.5
+WAIT_EXITS = ("Block until the job is in STATE. Exit codes: 0 the job reached STATE; 1 it "
+              "reached another state it cannot leave (finished, failed, cancelled); 2 usage "
+              "(a bad --for or --timeout); 3 no agent answered the first call; 4 --timeout "
+              "passed first (agents that stop answering meanwhile are retried until then).")
 
 Emit = Callable[[Any, str, Callable[[Any], Iterable[str]]], None]
 
@@ -55,16 +60,20 @@ def add_job_parsers(job: argparse._SubParsersAction) -> None:  # type: ignore[ty
                         help="refuse unless the submitted job has this name")
     get = job.add_parser("get", help="the submitted spec and its revision",
                          own_flags=("-o", "--output"))
-    get.add_argument("-o", "--output", dest="spec_output", default="", metavar="FORMAT",
-                     help=f"{'|'.join(GET_OUTPUTS)} (default: toml, as submitted)")
+    fmt = get.add_argument("-o", "--output", dest="spec_output", default="", metavar="FORMAT",
+                           help=f"{'|'.join(GET_OUTPUTS)} (default: toml, as submitted)")
+    # Checked by the command, for a one-line error; completion still offers them.
+    completion.offer(fmt, GET_OUTPUTS)
 
 
 def add_parsers(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     wait = sub.add_parser("wait", help="block until the job reaches a state "
                                        "(exit 0 reached, 1 another end, 4 timeout)",
-                          own_flags=("--timeout",))
-    wait.add_argument("--for", dest="wait_for", default="state=finished", metavar="state=STATE",
-                      help=f"STATE: {'|'.join(WAIT_STATES)} (default: state=finished)")
+                          own_flags=("--timeout",), description=WAIT_EXITS)
+    target = wait.add_argument("--for", dest="wait_for", default="state=finished",
+                               metavar="state=STATE",
+                               help=f"STATE: {'|'.join(WAIT_STATES)} (default: state=finished)")
+    completion.offer(target, tuple(f"state={s}" for s in WAIT_STATES))
     wait.add_argument("--timeout", dest="wait_timeout", default="", metavar="SECONDS",
                       help="give up after SECONDS (exit 4); default: wait as long as it takes")
     logs = sub.add_parser("logs", help="a worker's output, through its node's agent")

@@ -297,6 +297,8 @@ BASH_CASES = [
     ("ultractl job cancel --j", ["--job"]),
     ("ultractl logs n --f", ["--follow"]),
     ("ultractl wa", ["wait"]),
+    ("ultractl job get -o t", ["toml"]),
+    ("ultractl wait --for state=c", ["state=cancelled"]),
 ]
 
 
@@ -373,3 +375,10 @@ def test_lifecycle_usage_errors_are_one_line_and_exit_2(argv, message, tmp_path,
     assert ultractl.main(argv, {"ULTRACTL_CONFIG": str(tmp_path / "config")}) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("ultractl: " + message), err
+
+
+def test_wait_documents_its_exit_codes_in_its_help(capsys) -> None:
+    assert ultractl.main(["wait", "--help"]) == 0
+    text = " ".join(capsys.readouterr().out.split())
+    assert "Exit codes: 0 the job reached STATE; 1 it reached another state it cannot leave " \
+           "(finished, failed, cancelled); 2 usage" in text and "4 --timeout passed first" in text
