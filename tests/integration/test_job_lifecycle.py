@@ -184,9 +184,9 @@ def test_get_logs_cancel_wait_and_submit_again(local, tmp_path: Path) -> None:
     submit = ultractl(home, "job", "submit", str(TINY), "--set", "train.steps=3",
                       "--set", output)
     assert submit.returncode == 0, submit.stderr
-    end = ultractl(home, "wait", "--timeout", "400", timeout=420)
-    assert end.returncode == 0, end.stderr + log.read_text()[-3000:]
-    assert proc.wait(120) == 0, log.read_text()[-3000:]
+    # `ultrad local` stops its cluster once the job finishes, so a `wait` for `finished` could
+    # find no agent left to answer: its exit is the sign here.
+    assert proc.wait(400) == 0, log.read_text()[-3000:]
     text = log.read_text()
     assert "ultrad local: job cancelled (cancelled at step" in text
     assert "ultrad local: job finished" in text
