@@ -224,6 +224,20 @@ def test_refusals_are_one_line_with_their_exit_code(control_plane: Path) -> None
         result = ultractl(home, *argv)
         assert result.returncode == code, (argv, result.stderr)
         assert one_line(result).startswith(message), (argv, result.stderr)
+    # An agent serves only its own node's logs, whatever a caller with the token asks.
+    ctx = load_context(config_path({"XDG_CONFIG_HOME": str(home)}), "local")
+    first = ctx.endpoints()[0]
+    token = Path(ctx.token_file).read_text().strip()
+    with grpc.insecure_channel(first) as channel:
+        stub = pb_grpc.AgentStub(channel)
+        answering = stub.GetStatus(pb.GetStatusRequest(), timeout=10,
+                                   metadata=(("authorization", f"Bearer {token}"),)).node
+        other = "node-1" if answering == "node-0" else "node-0"
+        with pytest.raises(grpc.RpcError) as refused:
+            list(stub.ReadWorkerLog(pb.WorkerLogRequest(node=other), timeout=10,
+                                    metadata=(("authorization", f"Bearer {token}"),)))
+    assert refused.value.code() == grpc.StatusCode.NOT_FOUND
+    assert refused.value.details() == f"node: this agent is {answering!r}, not {other!r}"
 
 
 def test_a_generation_that_never_steps_is_cancelled_without_a_checkpoint(
