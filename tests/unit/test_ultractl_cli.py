@@ -1,5 +1,5 @@
 """ultractl's command line: global flags in either position, environment fallbacks, precedence,
-the config verbs, exit codes, and the completion scripts (checked by real bash and zsh)."""
+the config verbs, exit codes, and the completion scripts (checked by real bash, zsh and fish)."""
 
 from __future__ import annotations
 
