@@ -302,7 +302,7 @@ class Agent(WorkerReports):
 
     def _job_over(self) -> bool:
         view, plan = self.view, self.view.plan
-        return view.status.state == JobState.FAILED or (
+        return job_state(view)[0] in (JobState.FAILED, JobState.CANCELLED) or (
             plan is not None and view.progress.finished
             and view.progress.generation == plan.generation)
 

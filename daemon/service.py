@@ -24,14 +24,14 @@ from daemon.agent import Agent
 from daemon.config import AgentConfig
 from daemon.control.decide import boundary_timeout
 from daemon.control.etcd_client import ETCD_ERRORS
-from daemon.control.records import ControlOp, ControlRequest, JobState, NodeState
+from daemon.control.records import ENDED, ControlOp, ControlRequest, JobState, NodeState
 from daemon.liveness import LoopWatchdog
 from daemon.sdnotify import Notifier
 from daemon.tasks import Backoff
 
 log = logging.getLogger(__name__)
 
-_ENDED = (JobState.FAILED, JobState.FINISHED)
+_ENDED = ENDED
 
 
 class Service:

@@ -34,7 +34,7 @@ def await_role(stdin: BinaryIO) -> int | None:
     rank = int(role["local_rank"])
     sys.stdout.flush()
     sys.stderr.flush()
-    fd = os.open(role["log"], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    fd = os.open(role["log"], os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW, 0o600)
     os.dup2(fd, 1)
     os.dup2(fd, 2)
     os.close(fd)

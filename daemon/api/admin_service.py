@@ -9,12 +9,14 @@ from typing import Protocol
 
 import grpc
 
+from daemon.api import job_lifecycle, worker_log_service
 from daemon.api.events import history
+from daemon.api.job_state import job_state
 from daemon.config import AgentConfig
 from daemon.control.etcd_client import Etcd
 from daemon.control.job_submit import prepare_spec, write_spec
 from daemon.control.keys import Keys
-from daemon.control.records import ControlOp, ControlRequest, JobState, NodeState
+from daemon.control.records import ENDED, ControlOp, ControlRequest, JobState, NodeState
 from daemon.control.view import ClusterView
 from parallel import job as jobmod
 from proto.ultrascale.v1 import agent_pb2 as pb
@@ -34,16 +36,6 @@ class AdminHost(Protocol):
     def agent_state(self) -> str: ...
     @property
     def ttl(self) -> float: ...
-
-
-def job_state(view: ClusterView) -> tuple[JobState, str]:
-    """The job's state and its reason, as operators see it."""
-    if view.spec is None:
-        return JobState.NONE, "no job submitted"
-    status = view.status
-    if status.spec_revision != view.spec.mod_revision:
-        return JobState.PENDING, "waiting for the leader to plan the job"
-    return status.state, status.reason
 
 
 class AdminService(pb_grpc.AgentServicer):
@@ -100,10 +92,16 @@ class AdminService(pb_grpc.AgentServicer):
             message = str(exc)
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, message if len(message) < 2000
                                 else f"{message[:2000]}... ({len(message)} characters)")
-        revision = await write_spec(self.host.etcd, self.host.keys, spec, request.replace)
+        # A job that has ended (finished, failed, cancelled) gives way to a new one.
+        view = self.host.view
+        ended = view.spec.mod_revision if view.spec is not None and \
+            job_state(view)[0] in ENDED else 0
+        revision = await write_spec(self.host.etcd, self.host.keys, spec, request.replace,
+                                    ended)
         if revision is None:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
-                                "a job is already submitted; pass --replace to replace it")
+                                "a job is already submitted and has not ended; pass --replace "
+                                "to replace it (or cancel it: ultractl job cancel)")
         return pb.SubmitJobResponse(job=str(spec.config["job"]["name"]), revision=revision)
 
     async def _node_op(self, op: ControlOp, request: pb.NodeRequest,
@@ -163,3 +161,18 @@ class AdminService(pb_grpc.AgentServicer):
         async for ev in history(self.host.etcd, self.host.keys, request.follow):
             yield pb.Event(revision=ev.revision, kind=ev.kind, node=ev.node,
                            generation=ev.generation, message=ev.message)
+
+    async def CancelJob(self, request: pb.CancelJobRequest,
+                        context: grpc.aio.ServicerContext) -> pb.CancelJobResponse:
+        h = self.host
+        return await job_lifecycle.cancel_job(h.view, h.etcd, h.keys, request, context)
+
+    async def GetJob(self, request: pb.GetJobRequest,
+                     context: grpc.aio.ServicerContext) -> pb.JobSpec:
+        return await job_lifecycle.get_job(self.host.view, context)
+
+    async def ReadWorkerLog(self, request: pb.WorkerLogRequest,
+                            context: grpc.aio.ServicerContext) -> AsyncIterator[pb.WorkerLogChunk]:
+        h = self.host
+        async for chunk in worker_log_service.read(h.node_id, h.config, request, context):
+            yield chunk

@@ -1,4 +1,4 @@
-"""`ultractl completion bash|zsh`: shell completion generated from the argument parser.
+"""`ultractl completion bash|zsh|fish`: shell completion generated from the argument parser.
 
 The script is derived from the live argparse tree, so a new command or flag is completed
 without anyone editing the script. For each command path (`""`, `job`, `job submit`, ...)
@@ -12,6 +12,8 @@ import argparse
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+SHELLS = ("bash", "zsh", "fish")
+
 
 @dataclass(frozen=True)
 class Level:
@@ -21,6 +23,15 @@ class Level:
     options: tuple[str, ...]
     valued: tuple[str, ...]        # options that take a value
     choices: tuple[tuple[str, tuple[str, ...]], ...]   # option -> its choices
+
+
+_OFFERED = "completion_choices"
+
+
+def offer(action: argparse.Action, values: tuple[str, ...]) -> None:
+    """Values to complete for an option whose command checks them itself (argparse's `choices`
+    would print a usage error of several lines)."""
+    setattr(action, _OFFERED, values)
 
 
 def levels(parser: argparse.ArgumentParser, path: str = "") -> Iterator[Level]:
@@ -40,8 +51,9 @@ def levels(parser: argparse.ArgumentParser, path: str = "") -> Iterator[Level]:
             options.extend(action.option_strings)
             if action.nargs != 0:
                 valued.extend(action.option_strings)
-                if action.choices:
-                    choices += [(o, tuple(str(c) for c in action.choices))
+                offered = action.choices or getattr(action, _OFFERED, ())
+                if offered:
+                    choices += [(o, tuple(str(c) for c in offered))
                                 for o in action.option_strings]
     yield Level(path, tuple(words), tuple(options), tuple(valued), tuple(choices))
     for name, child in children:
@@ -130,6 +142,83 @@ fi
 """
 
 
+def _fish_switch(name: str, arms: list[tuple[str, str]]) -> list[str]:
+    """A fish function `name KEY` that prints the words for KEY."""
+    lines = [f"function {name}", "    switch $argv[1]"]
+    for key, value in arms:
+        lines += [f"        case {_fish_quote(key)}", f"            echo {_fish_quote(value)}"]
+    return lines + ["    end", "end"]
+
+
+def _fish_quote(text: str) -> str:
+    # Keys and words are command, option and choice names: no quote or backslash in them, but
+    # a `case` pattern would treat * and ? as wildcards, which single quotes do not prevent.
+    if any(c in text for c in "'\\*?"):
+        raise ValueError(f"completion: cannot quote {text!r} for fish")
+    return f"'{text}'"
+
+
+_FISH = """\
+function {fn}
+    set -l tokens (commandline -opc)
+    set -l cur (commandline -ct)
+    set -l cmdpath ''
+    set -l skip 0
+    set -l prev ''
+    for w in $tokens[2..-1]
+        set prev $w
+        if test $skip -eq 1
+            set skip 0
+            continue
+        end
+        switch $w
+            case '-*=*'
+            case '-*'
+                if contains -- $w (string split -n ' ' -- ({fn}_valued $cmdpath))
+                    set skip 1
+                end
+            case '*'
+                if contains -- $w (string split -n ' ' -- ({fn}_words $cmdpath))
+                    set cmdpath (string trim -- "$cmdpath $w")
+                end
+        end
+    end
+    if test $skip -eq 1
+        set -l choices ({fn}_choices "$cmdpath|$prev")
+        if test -n "$choices"
+            string split -n ' ' -- $choices
+        else
+            __fish_complete_path $cur
+        end
+    else if string match -q -- '-*' $cur
+        string split -n ' ' -- ({fn}_options $cmdpath)
+    else
+        set -l next ({fn}_words $cmdpath)
+        if test -n "$next"
+            string split -n ' ' -- $next
+        else
+            __fish_complete_path $cur
+        end
+    end
+end
+complete -c {prog} -f -a '({fn})'
+"""
+
+
+def _fish(prog: str, parser: argparse.ArgumentParser) -> str:
+    fn = "__" + prog.replace("-", "_") + "_complete"
+    all_levels = list(levels(parser))
+    lines = [f"# fish completion for {prog}: {prog} completion fish | source, or save it as "
+             f"~/.config/fish/completions/{prog}.fish"]
+    lines += _fish_switch(f"{fn}_words", [(lv.path, " ".join(lv.words)) for lv in all_levels])
+    lines += _fish_switch(f"{fn}_options", [(lv.path, " ".join(lv.options))
+                                            for lv in all_levels])
+    lines += _fish_switch(f"{fn}_valued", [(lv.path, " ".join(lv.valued)) for lv in all_levels])
+    lines += _fish_switch(f"{fn}_choices", [(f"{lv.path}|{opt}", " ".join(values))
+                                            for lv in all_levels for opt, values in lv.choices])
+    return "\n".join([*lines, _FISH.format(fn=fn, prog=prog)])
+
+
 def script(shell: str, prog: str, parser: argparse.ArgumentParser) -> str:
     fn = "_" + prog.replace("-", "_")
     if shell == "bash":
@@ -143,6 +232,8 @@ def script(shell: str, prog: str, parser: argparse.ArgumentParser) -> str:
         # zsh arrays start at 1 and words[1] is the command itself.
         walk = _WALK.format(first=2, cword="CURRENT", word="${words[i]}", fn=fn)
         body = _ZSH.format(fn=fn, prog=prog, walk=walk)
+    elif shell == "fish":
+        return _fish(prog, parser)
     else:
-        raise ValueError(f"completion: unknown shell {shell!r} (known: bash, zsh)")
+        raise ValueError(f"completion: unknown shell {shell!r} (known: {', '.join(SHELLS)})")
     return "\n".join([*head, *_tables(prog, parser), body])

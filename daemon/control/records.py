@@ -227,6 +227,11 @@ class JobState(str, enum.Enum):
     RUNNING = "running"
     FAILED = "failed"        # stopped retrying: the reason is the cause
     FINISHED = "finished"
+    CANCELLED = "cancelled"  # `ultractl job cancel`: stopped at a step boundary, checkpointed
+
+
+# States a job does not leave until a new submission.
+ENDED = frozenset({JobState.FAILED, JobState.FINISHED, JobState.CANCELLED})
 
 
 class FailureKind(str, enum.Enum):
@@ -268,6 +273,9 @@ class JobStatus(Record):
     failures: tuple[FailureRecord, ...] = ()
     spec_revision: int = 0            # the job submission this status is about
     time: float = 0.0
+    # `ultractl job cancel` was consumed: the running generation stops at a step boundary with a
+    # durable checkpoint and the job becomes `cancelled` (decide.py).
+    cancelling: bool = False
 
 
 class ControlOp(str, enum.Enum):
@@ -276,6 +284,7 @@ class ControlOp(str, enum.Enum):
     UNCORDON = "uncordon"
     CHECKPOINT = "checkpoint"
     FAILURE = "failure"
+    CANCEL = "cancel"
 
     @property
     def node_op(self) -> bool:
@@ -302,6 +311,8 @@ class ControlRequest(Record):
     time: float = 0.0
     # A hang: the hung worker's Python stacks (their last 4 KiB), or why there are none.
     stacks: str = ""
+    # A cancel: the job submission (spec mod revision) it is about; a newer one is not cancelled.
+    spec_revision: int = 0
 
 
 @dataclass(frozen=True)

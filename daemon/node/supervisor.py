@@ -38,6 +38,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from daemon.node.stacks import ask_stacks, open_stacks_file
+from daemon.node.worker_logs import log_path as worker_log_path
+from daemon.node.worker_logs import open_log, rotate
 from daemon.procutil import is_stopped
 
 log = logging.getLogger(__name__)
@@ -122,7 +124,7 @@ class Supervisor:
 
     def _paths(self, rank: int) -> tuple[Path, Path]:
         name = "standby" if rank == STANDBY else str(rank)
-        return self.log_dir / f"worker-{name}.log", self.log_dir / f"worker-{name}.error.json"
+        return worker_log_path(self.log_dir, name), self.log_dir / f"worker-{name}.error.json"
 
     def _stacks_path(self, rank: int) -> Path:
         return self.log_dir / f"worker-{'standby' if rank == STANDBY else rank}.stacks"
@@ -146,6 +148,7 @@ class Supervisor:
         self._standby = None
         log_path, error_path = self._paths(rank)
         error_path.unlink(missing_ok=True)
+        rotate(log_path)
         role = {"local_rank": rank, "log": str(log_path), "error_file": str(error_path)}
         try:
             w.proc.stdin.write(json.dumps(role).encode() + b"\n")
@@ -185,13 +188,16 @@ class Supervisor:
             "ULTRA_STACKS_FD": str(stacks_fd),
         }
         try:
-            with log_path.open("ab") as out:
+            out = open_log(log_path)  # 0600, rotated when over its cap (worker_logs.py)
+            try:
                 proc = await asyncio.create_subprocess_exec(
                     self.python, "-m", self.worker_module,
                     stdin=asyncio.subprocess.PIPE if rank == STANDBY
                     else asyncio.subprocess.DEVNULL,
                     stdout=out, stderr=asyncio.subprocess.STDOUT, env=env, pass_fds=(stacks_fd,),
                 )
+            finally:
+                os.close(out)
         finally:
             os.close(stacks_fd)  # the worker holds its own copy
         worker = _Worker(rank, proc, log_path, error_path, stacks_path)

@@ -25,11 +25,13 @@ class _Supervisor:
         self.calls.append("drop")
 
 
-def _agent(*, stopping: bool = False, node_state: NodeState = NodeState.READY) -> SimpleNamespace:
+def _agent(*, stopping: bool = False, node_state: NodeState = NodeState.READY,
+           state: JobState = JobState.RUNNING) -> SimpleNamespace:
     plan = SimpleNamespace(generation=3, restore=SimpleNamespace(step=10))
     view = SimpleNamespace(plan=plan, progress=SimpleNamespace(generation=3, step=12,
                                                                finished=False),
-                           status=SimpleNamespace(state=JobState.RUNNING))
+                           spec=SimpleNamespace(mod_revision=7),
+                           status=SimpleNamespace(state=state, spec_revision=7, reason=""))
     agent = SimpleNamespace(supervisor=_Supervisor(), view=view, broken_generation=0,
                             membership=SimpleNamespace(record=SimpleNamespace(state=node_state)),
                             stopping=asyncio.Event())
@@ -43,6 +45,7 @@ def _agent(*, stopping: bool = False, node_state: NodeState = NodeState.READY) -
     ({}, ["keep"]),
     ({"stopping": True}, ["drop"]),
     ({"node_state": NodeState.DRAINING}, ["drop"]),
+    ({"state": JobState.CANCELLED}, ["drop"]),
 ])
 def test_a_standby_is_kept_only_while_the_node_trains_on(case, expected):
     agent = _agent(**case)

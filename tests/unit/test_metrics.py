@@ -103,7 +103,7 @@ def test_job_state_and_newest_checkpoint_come_from_the_records() -> None:
     metrics.observe_job(JobState.RUNNING, CheckpointRecord(2, 40, "/c", time=1234.5))
     samples = _samples(metrics)
     assert {s.value: samples[("ultra_job_state", (("state", s.value),))] for s in JobState} \
-        == {"none": 0, "pending": 0, "running": 1, "failed": 0, "finished": 0}
+        == {"none": 0, "pending": 0, "running": 1, "failed": 0, "finished": 0, "cancelled": 0}
     assert samples[("ultra_checkpoint_last_step", ())] == 40
     assert samples[("ultra_checkpoint_last_timestamp_seconds", ())] == 1234.5
 

@@ -1,10 +1,11 @@
 """ultractl's command line: global flags in either position, environment fallbacks, precedence,
-the config verbs, exit codes, and the completion scripts (checked by real bash and zsh)."""
+the config verbs, exit codes, and the completion scripts (checked by real bash, zsh and fish)."""
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import socket
 import stat
@@ -84,7 +85,7 @@ def test_bad_environment_is_a_usage_error_naming_the_variable(env, named, capsys
 
 @pytest.mark.parametrize(("argv", "named"), [
     (["status", "--timeout", "0"], "--timeout"), (["nodes", "-o", "xml"], "--output"),
-    (["drain"], "node"), (["bogus"], "COMMAND"), (["completion", "fish"], "shell"),
+    (["drain"], "node"), (["bogus"], "COMMAND"), (["completion", "tcsh"], "shell"),
     (["config", "set-context", "x", "--endpoint", "no-port"], "--endpoint"),
 ])
 def test_usage_errors_exit_2_naming_the_argument(argv, named, tmp_path, capsys) -> None:
@@ -270,10 +271,12 @@ def script(shell: str, capsys) -> str:
 def test_completion_names_every_command_and_flag(capsys) -> None:
     all_commands = list(commands(ultractl._parser()))
     assert ("config", "set-context") in all_commands and ("job", "submit") in all_commands
-    for shell in ("bash", "zsh"):
+    assert ("job", "cancel") in all_commands and ("wait",) in all_commands
+    for shell in ("bash", "zsh", "fish"):
         text = script(shell, capsys)
         for path in all_commands:
-            assert f'"{" ".join(path)}")' in text, (shell, path)
+            key = f"case '{' '.join(path)}'" if shell == "fish" else f'"{" ".join(path)}")'
+            assert key in text, (shell, path)
             assert path[-1] in text
         for flag, *_ in GLOBAL_FLAGS:
             assert flag in text
@@ -289,6 +292,13 @@ BASH_CASES = [
     ("ultractl job submit --re", ["--replace"]),
     ("ultractl config set-context x --tok", ["--token-file"]),
     ("ultractl completion z", ["zsh"]),
+    ("ultractl job ca", ["cancel"]),
+    ("ultractl job g", ["get"]),
+    ("ultractl job cancel --j", ["--job"]),
+    ("ultractl logs n --f", ["--follow"]),
+    ("ultractl wa", ["wait"]),
+    ("ultractl job get -o t", ["toml"]),
+    ("ultractl wait --for state=c", ["state=cancelled"]),
 ]
 
 
@@ -328,3 +338,47 @@ def test_zsh_accepts_the_script_and_completes(capsys, tmp_path: Path) -> None:
         out = subprocess.run(["zsh", "-f", "-c", program], capture_output=True, text=True)
         assert out.returncode == 0, out.stderr
         assert sorted(out.stdout.split()) == expected, line
+
+
+@pytest.mark.skipif(shutil.which("fish") is None, reason="fish is not installed")
+def test_fish_accepts_the_script_and_completes(capsys, tmp_path: Path) -> None:
+    path = tmp_path / "ultractl.fish"
+    path.write_text(script("fish", capsys))
+    check = subprocess.run(["fish", "--no-execute", str(path)], capture_output=True, text=True)
+    assert check.returncode == 0, check.stderr
+    env = {**os.environ, "HOME": str(tmp_path), "XDG_CONFIG_HOME": str(tmp_path / "config"),
+           "XDG_DATA_HOME": str(tmp_path / "data")}
+    for line, expected in [*BASH_CASES, ("ultractl completion f", ["fish"])]:
+        # `complete -C` asks fish's own completion machinery, as a keypress would.
+        out = subprocess.run(["fish", "--no-config", "-c", f"source {path}; complete -C'{line}'"],
+                             capture_output=True, text=True, env=env)
+        assert out.returncode == 0, out.stderr
+        words = [w.split("\t")[0] for w in out.stdout.splitlines()]
+        assert sorted(words) == expected, line
+    (tmp_path / "token-abc").write_text("x")
+    out = subprocess.run(["fish", "--no-config", "-c", f"source {path}; cd {tmp_path}; "
+                          "complete -C'ultractl status --token-file tok'"],
+                         capture_output=True, text=True, env=env)
+    assert out.stdout.split() == ["token-abc"], out.stderr
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["job", "get", "-o", "xml"], "job get -o: expected one of toml, yaml, json (got 'xml')"),
+    (["wait", "--for=state=done"], "wait --for: expected state=STATE, STATE one of finished, "
+                                   "cancelled, failed, running, pending (got 'state=done')"),
+    (["wait", "--for", "phase=running"], "wait --for: expected state=STATE"),
+    (["wait", "--timeout", "0"], "wait --timeout: expected seconds > 0 (got '0')"),
+    (["wait", "--timeout", "soon"], "wait --timeout: expected seconds > 0 (got 'soon')"),
+])
+def test_lifecycle_usage_errors_are_one_line_and_exit_2(argv, message, tmp_path, capsys) -> None:
+    """Checked before any agent is asked: no endpoint is needed to get the usage error."""
+    assert ultractl.main(argv, {"ULTRACTL_CONFIG": str(tmp_path / "config")}) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("ultractl: " + message), err
+
+
+def test_wait_documents_its_exit_codes_in_its_help(capsys) -> None:
+    assert ultractl.main(["wait", "--help"]) == 0
+    text = " ".join(capsys.readouterr().out.split())
+    assert "Exit codes: 0 the job reached STATE; 1 it reached another state it cannot leave " \
+           "(finished, failed, cancelled); 2 usage" in text and "4 --timeout passed first" in text

@@ -145,6 +145,62 @@ class CheckpointResponse(_message.Message):
     request_id: str
     def __init__(self, request_id: _Optional[str] = ...) -> None: ...
 
+class CancelJobRequest(_message.Message):
+    __slots__ = ("job",)
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    job: str
+    def __init__(self, job: _Optional[str] = ...) -> None: ...
+
+class CancelJobResponse(_message.Message):
+    __slots__ = ("job", "revision", "request_id")
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    REVISION_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    job: str
+    revision: int
+    request_id: str
+    def __init__(self, job: _Optional[str] = ..., revision: _Optional[int] = ..., request_id: _Optional[str] = ...) -> None: ...
+
+class GetJobRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class JobSpec(_message.Message):
+    __slots__ = ("job", "revision", "spec_toml", "overrides", "config_json", "submitted_at", "state")
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    REVISION_FIELD_NUMBER: _ClassVar[int]
+    SPEC_TOML_FIELD_NUMBER: _ClassVar[int]
+    OVERRIDES_FIELD_NUMBER: _ClassVar[int]
+    CONFIG_JSON_FIELD_NUMBER: _ClassVar[int]
+    SUBMITTED_AT_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    job: str
+    revision: int
+    spec_toml: str
+    overrides: _containers.RepeatedScalarFieldContainer[str]
+    config_json: str
+    submitted_at: float
+    state: str
+    def __init__(self, job: _Optional[str] = ..., revision: _Optional[int] = ..., spec_toml: _Optional[str] = ..., overrides: _Optional[_Iterable[str]] = ..., config_json: _Optional[str] = ..., submitted_at: _Optional[float] = ..., state: _Optional[str] = ...) -> None: ...
+
+class WorkerLogRequest(_message.Message):
+    __slots__ = ("node", "local_rank", "tail_lines", "follow")
+    NODE_FIELD_NUMBER: _ClassVar[int]
+    LOCAL_RANK_FIELD_NUMBER: _ClassVar[int]
+    TAIL_LINES_FIELD_NUMBER: _ClassVar[int]
+    FOLLOW_FIELD_NUMBER: _ClassVar[int]
+    node: str
+    local_rank: int
+    tail_lines: int
+    follow: bool
+    def __init__(self, node: _Optional[str] = ..., local_rank: _Optional[int] = ..., tail_lines: _Optional[int] = ..., follow: _Optional[bool] = ...) -> None: ...
+
+class WorkerLogChunk(_message.Message):
+    __slots__ = ("data",)
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    data: bytes
+    def __init__(self, data: _Optional[bytes] = ...) -> None: ...
+
 class WatchEventsRequest(_message.Message):
     __slots__ = ("follow",)
     FOLLOW_FIELD_NUMBER: _ClassVar[int]

@@ -80,6 +80,21 @@ class AgentStub:
                 request_serializer=ultrascale_dot_v1_dot_agent__pb2.WatchEventsRequest.SerializeToString,
                 response_deserializer=ultrascale_dot_v1_dot_agent__pb2.Event.FromString,
                 _registered_method=True)
+        self.CancelJob = channel.unary_unary(
+                '/ultrascale.v1.Agent/CancelJob',
+                request_serializer=ultrascale_dot_v1_dot_agent__pb2.CancelJobRequest.SerializeToString,
+                response_deserializer=ultrascale_dot_v1_dot_agent__pb2.CancelJobResponse.FromString,
+                _registered_method=True)
+        self.GetJob = channel.unary_unary(
+                '/ultrascale.v1.Agent/GetJob',
+                request_serializer=ultrascale_dot_v1_dot_agent__pb2.GetJobRequest.SerializeToString,
+                response_deserializer=ultrascale_dot_v1_dot_agent__pb2.JobSpec.FromString,
+                _registered_method=True)
+        self.ReadWorkerLog = channel.unary_stream(
+                '/ultrascale.v1.Agent/ReadWorkerLog',
+                request_serializer=ultrascale_dot_v1_dot_agent__pb2.WorkerLogRequest.SerializeToString,
+                response_deserializer=ultrascale_dot_v1_dot_agent__pb2.WorkerLogChunk.FromString,
+                _registered_method=True)
 
 
 class AgentServicer:
@@ -146,6 +161,31 @@ class AgentServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def CancelJob(self, request, context):
+        """Cancel the submitted job: its running generation stops at the next agreed step boundary
+        after a durable checkpoint and the job becomes `cancelled`. FAILED_PRECONDITION when no job
+        is submitted or it has ended; NOT_FOUND when `job` names another job.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetJob(self, request, context):
+        """The submitted job as stored at submission (its TOML, overrides, validated config).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ReadWorkerLog(self, request, context):
+        """The output (stderr and stdout) of one of this agent's workers: the last lines of its log
+        file, then, with `follow`, new lines as they are written. NOT_FOUND when `node` is not
+        this agent's node or the local rank has no log.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_AgentServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -193,6 +233,21 @@ def add_AgentServicer_to_server(servicer, server):
                     servicer.WatchEvents,
                     request_deserializer=ultrascale_dot_v1_dot_agent__pb2.WatchEventsRequest.FromString,
                     response_serializer=ultrascale_dot_v1_dot_agent__pb2.Event.SerializeToString,
+            ),
+            'CancelJob': grpc.unary_unary_rpc_method_handler(
+                    servicer.CancelJob,
+                    request_deserializer=ultrascale_dot_v1_dot_agent__pb2.CancelJobRequest.FromString,
+                    response_serializer=ultrascale_dot_v1_dot_agent__pb2.CancelJobResponse.SerializeToString,
+            ),
+            'GetJob': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetJob,
+                    request_deserializer=ultrascale_dot_v1_dot_agent__pb2.GetJobRequest.FromString,
+                    response_serializer=ultrascale_dot_v1_dot_agent__pb2.JobSpec.SerializeToString,
+            ),
+            'ReadWorkerLog': grpc.unary_stream_rpc_method_handler(
+                    servicer.ReadWorkerLog,
+                    request_deserializer=ultrascale_dot_v1_dot_agent__pb2.WorkerLogRequest.FromString,
+                    response_serializer=ultrascale_dot_v1_dot_agent__pb2.WorkerLogChunk.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -438,6 +493,87 @@ class Agent:
             '/ultrascale.v1.Agent/WatchEvents',
             ultrascale_dot_v1_dot_agent__pb2.WatchEventsRequest.SerializeToString,
             ultrascale_dot_v1_dot_agent__pb2.Event.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CancelJob(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/ultrascale.v1.Agent/CancelJob',
+            ultrascale_dot_v1_dot_agent__pb2.CancelJobRequest.SerializeToString,
+            ultrascale_dot_v1_dot_agent__pb2.CancelJobResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetJob(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/ultrascale.v1.Agent/GetJob',
+            ultrascale_dot_v1_dot_agent__pb2.GetJobRequest.SerializeToString,
+            ultrascale_dot_v1_dot_agent__pb2.JobSpec.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReadWorkerLog(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/ultrascale.v1.Agent/ReadWorkerLog',
+            ultrascale_dot_v1_dot_agent__pb2.WorkerLogRequest.SerializeToString,
+            ultrascale_dot_v1_dot_agent__pb2.WorkerLogChunk.FromString,
             options,
             channel_credentials,
             insecure,
