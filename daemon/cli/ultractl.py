@@ -4,6 +4,8 @@
       status | nodes | job submit FILE [--set k=v]... [--replace]
       plan [--explain] [--world NODESxDEVICES] [--memory BYTES] [--free DIMS] [--job FILE]
       drain NODE | cordon NODE | uncordon NODE | checkpoint | events [-f]
+      events [-f] --etcd HOST:PORT[,...] --job NAME [--etcd-ca F --etcd-cert F --etcd-key F]
+             [--etcd-user U --etcd-password-file F]   (from etcd: no agent; plain torchrun jobs)
       config get-contexts | current-context | use-context NAME | delete-context NAME
              | set-context NAME [--endpoint A[,B...]] [--token-file F] [--tls-ca F]
       completion bash|zsh
@@ -35,9 +37,10 @@ import grpc
 import yaml
 from google.protobuf.json_format import MessageToDict
 
-from daemon.cli import completion, configcmd, whatif
+from daemon.cli import completion, configcmd, etcd_events, whatif
 from daemon.cli.ctlconfig import ContextError, config_path
 from daemon.cli.ctlconnect import Agents, TargetError, TLSFiles, Unreachable, resolve_target
+from daemon.control.etcd_members import EtcdUnreachable
 from parallel import job as jobmod
 from parallel.planner import Plan
 from proto.ultrascale.v1 import agent_pb2 as pb
@@ -154,6 +157,7 @@ def _parser(env: Mapping[str, str] | None = None) -> argparse.ArgumentParser:
     sub.add_parser("checkpoint", help="checkpoint at the next agreed step boundary")
     events = sub.add_parser("events", help="cluster events")
     events.add_argument("-f", "--follow", action="store_true")
+    etcd_events.add_flags(events)
     configcmd.add_parsers(sub, _command_parser)
     sub.add_parser("completion", help="print a shell completion script").add_argument(
         "shell", choices=("bash", "zsh"))
@@ -301,6 +305,19 @@ def _plan_lines(plan: dict[str, Any], explain: bool) -> Iterable[str]:
         yield from whatif.render(plan["search"], explain)
 
 
+def _print_event(d: dict[str, Any], out: str) -> None:
+    """One event per line in every format, so `-f` output can be piped as it comes."""
+    if out == "table":
+        # A hang's stacks follow its failure line, indented.
+        message = d["message"].replace("\n", "\n" + " " * 8)
+        print(f"{d['revision']:>6}  {d['kind']:<14} {d['node'] or '-':<10} {message}",
+              flush=True)
+    else:
+        print(json.dumps(d, sort_keys=True) if out == "json"
+              else yaml.safe_dump([d], sort_keys=True), end="\n" if out == "json" else "",
+              flush=True)
+
+
 def run(args: argparse.Namespace) -> int:
     if args.command == "plan":
         return _plan(args)
@@ -312,6 +329,14 @@ def run(args: argparse.Namespace) -> int:
             return configcmd.run(args, Path(args.config), _emit)
         except ContextError as exc:
             raise CtlError(str(exc), EXIT_USAGE) from None
+    if args.command == "events" and etcd_events.wanted(args):
+        try:
+            etcd_events.stream(args, lambda d: _print_event(d, args.output))
+        except etcd_events.EtcdEventsError as exc:
+            raise CtlError(str(exc), EXIT_USAGE) from None
+        except EtcdUnreachable as exc:
+            raise Unreachable(str(exc)) from None
+        return EXIT_OK
     stub, md = _connect(args)
     t, out = args.timeout, args.output
     if args.command == "status":
@@ -341,17 +366,7 @@ def run(args: argparse.Namespace) -> int:
         stream = stub.WatchEvents(pb.WatchEventsRequest(follow=args.follow),
                                   timeout=None if args.follow else t, metadata=md)
         for ev in stream:
-            # One event per line in every format, so `-f` output can be piped as it comes.
-            d = _dict(ev)
-            if out == "table":
-                # A hang's stacks follow its failure line, indented.
-                message = d["message"].replace("\n", "\n" + " " * 8)
-                print(f"{d['revision']:>6}  {d['kind']:<14} {d['node'] or '-':<10} "
-                      f"{message}", flush=True)
-            else:
-                print(json.dumps(d, sort_keys=True) if out == "json"
-                      else yaml.safe_dump([d], sort_keys=True), end="\n" if out == "json" else "",
-                      flush=True)
+            _print_event(_dict(ev), out)
     return 0
 
 
