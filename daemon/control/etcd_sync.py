@@ -21,6 +21,10 @@ from daemon.control.etcd_security import EtcdSecurity
 T = TypeVar("T")
 
 
+class KeyTimeout(LookupError):
+    """A key waited for did not appear in time (etcd itself may have answered all along)."""
+
+
 class SyncEtcd:
     """`Etcd` for synchronous callers; safe to call from several threads at once."""
 
@@ -48,6 +52,8 @@ class SyncEtcd:
         try:
             return future.result(self.timeout * 3 if timeout is None else timeout)
         except FutureTimeout:
+            if future.done():
+                raise  # the call's own TimeoutError (the same class since Python 3.11)
             future.cancel()
             raise TimeoutError("etcd did not answer in time") from None
 
@@ -83,7 +89,7 @@ class SyncEtcd:
         return self._run(self.etcd.txn(compare, success, failure))
 
     def wait_for(self, key: bytes, timeout: float) -> KV:
-        """The key's value once it exists; TimeoutError after `timeout` seconds.
+        """The key's value once it exists; KeyTimeout after `timeout` seconds.
 
         A watch from now is opened first and the key read once it is in place, so a put that
         lands between the read and the watch is not missed; a broken watch is reopened."""
@@ -103,14 +109,17 @@ class SyncEtcd:
                 except ETCD_ERRORS:
                     await asyncio.sleep(0.1)  # etcd went away: watch again once it answers
 
-        async def bounded() -> KV:
-            return await asyncio.wait_for(first_put(), timeout)
+        async def bounded() -> KV | None:
+            try:
+                return await asyncio.wait_for(first_put(), timeout)
+            except asyncio.TimeoutError:
+                return None
 
-        try:
-            return self._run(bounded(), timeout + self.timeout * 3)
-        except asyncio.TimeoutError:
-            raise TimeoutError(f"{key.decode(errors='replace')} did not appear within "
-                               f"{timeout:g}s") from None
+        found = self._run(bounded(), timeout + self.timeout * 3)
+        if found is None:
+            raise KeyTimeout(f"{key.decode(errors='replace')} did not appear within "
+                             f"{timeout:g}s")
+        return found
 
     def close(self) -> None:
         """Close the channels; the view is unusable after."""

@@ -10,9 +10,7 @@ txn, for `ultractl events`, so nothing but torchrun ever unpickles the state.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import TypeVar
 
 from torch.distributed.elastic.rendezvous.api import (
@@ -21,21 +19,13 @@ from torch.distributed.elastic.rendezvous.api import (
 )
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import RendezvousBackend, Token
 
-from daemon.control.etcd_client import ETCD_ERRORS
 from daemon.control.etcd_sync import SyncEtcd
 from daemon.control.keys import Keys
+from daemon.rendezvous.retry import EtcdSilent, Retry
 from daemon.rendezvous.state_check import UnsafeState, load_state, summarise
 
 BACKEND_NAME = "ultrascale"
 T = TypeVar("T")
-
-
-@dataclass(frozen=True)
-class Retry:
-    """How long a call that etcd did not answer is retried (an etcd member restarting)."""
-
-    seconds: float = 10.0
-    first_pause: float = 0.1
 
 
 class EtcdRendezvousBackend(RendezvousBackend):
@@ -94,19 +84,11 @@ class EtcdRendezvousBackend(RendezvousBackend):
                 f"one torch wrote: {exc}") from None
 
     def _call(self, fn: Callable[[], T]) -> T:
-        """`fn()`, retried while etcd does not answer, for up to `retry.seconds`.
-
-        A txn whose answer was lost may have been applied; sending it again is safe: its
-        compare fails and the state that won (ours) comes back, which torch re-reads."""
-        deadline = time.monotonic() + self._retry.seconds
-        pause = self._retry.first_pause
-        while True:
-            try:
-                return fn()
-            except (*ETCD_ERRORS, TimeoutError) as exc:
-                if time.monotonic() + pause > deadline:
-                    raise RendezvousConnectionError(
-                        f"etcd ({self._etcd.etcd.client.endpoint.url}) did not answer: "
-                        f"{type(exc).__name__}: {str(exc)[:300]}") from exc
-            time.sleep(pause)
-            pause = min(pause * 2, 1.0)
+        """`fn()`, retried while etcd does not answer. A txn whose answer was lost may have
+        been applied; sending it again is safe: its compare fails and the state that won
+        (ours) comes back, which torch re-reads."""
+        try:
+            return self._retry.call(fn)
+        except EtcdSilent as exc:
+            raise RendezvousConnectionError(
+                f"{exc} ({self._etcd.etcd.client.endpoint.url})") from exc
