@@ -160,3 +160,25 @@ def test_store_add_and_compare_set_are_atomic(clients: list[SyncEtcd]) -> None:
     assert s.compare_set("flag", "on", "off") == b"off"
     assert s.num_keys() == 2
     assert s.delete_key("flag") and not s.check(["flag"])
+
+
+def test_calls_wait_out_an_etcd_restart(etcd: EtcdServer, clients: list[SyncEtcd]) -> None:
+    """A rendezvous read and a store read that begin while etcd is down finish once it is back.
+    (etcd is restarted from this thread: it dies with the thread that started it.)"""
+    backend = EtcdRendezvousBackend(clients[0], KEYS, 1, 2)
+    first = backend.set_state(state(1))
+    assert first is not None
+    store = EtcdStore(clients[1], KEYS.rendezvous_store, timeout=timedelta(seconds=30))
+    got: dict[str, object] = {}
+    readers = [threading.Thread(target=lambda: got.update(state=backend.get_state())),
+               threading.Thread(target=lambda: got.update(port=store.get("MASTER_PORT")))]
+    etcd.kill()
+    for t in readers:
+        t.start()
+    time.sleep(1.5)
+    assert not got  # nothing answered while etcd was down
+    etcd.start()
+    EtcdStore(clients[0], KEYS.rendezvous_store).set("MASTER_PORT", "29500")
+    for t in readers:
+        t.join(30)
+    assert got == {"state": (first[0], first[1]), "port": b"29500"}
