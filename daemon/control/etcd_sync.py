@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Sequence
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any, TypeVar
 
@@ -56,12 +56,6 @@ class SyncEtcd:
                 raise  # the call's own TimeoutError (the same class since Python 3.11)
             future.cancel()
             raise TimeoutError("etcd did not answer in time") from None
-
-    def call(self, fn: Callable[[Etcd], Awaitable[T]], timeout: float | None = None) -> T:
-        """`await fn(etcd)` on the loop thread: for the rare call this view does not wrap."""
-        async def go() -> T:
-            return await fn(self.etcd)
-        return self._run(go(), timeout)
 
     @property
     def tx(self) -> Any:

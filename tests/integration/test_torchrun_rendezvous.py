@@ -18,8 +18,12 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from torch.distributed.elastic.rendezvous.api import RendezvousParameters
 
 from daemon.control.etcd_server import EtcdServer
+from daemon.procutil import free_port
+from daemon.rendezvous.conf import RendezvousConfError
+from daemon.rendezvous.handler import create_rdzv_handler
 from tests.conftest import REPO
 from tests.integration.secure_etcd import USER, SecureEtcd, start_secure_etcd
 from tests.integration.torchrun_nodes import (
@@ -140,3 +144,24 @@ def test_a_bad_rdzv_conf_is_one_line_naming_the_key(tmp_path: Path, etcd: EtcdSe
     lines = [line for line in proc.stderr.splitlines() if line.startswith("torchrun: ")]
     assert len(lines) == 1 and named in lines[0], proc.stderr
     assert "Traceback" not in proc.stderr, proc.stderr
+
+
+def test_etcd_that_refuses_or_does_not_answer_is_one_line(secure_etcd: SecureEtcd,
+                                                          tmp_path: Path) -> None:
+    """The handler reaches etcd when torchrun creates it: a wrong password or an endpoint
+    where nothing answers is a refusal naming the option, before any rendezvous."""
+    wrong = tmp_path / "wrong-password"
+    wrong.write_text("not-it\n")
+    wrong.chmod(0o600)
+    files = {"cacert": str(secure_etcd.ca.cert), "cert": str(secure_etcd.client.cert),
+             "key": str(secure_etcd.client.key)}
+    params = RendezvousParameters("ultrascale", secure_etcd.server.endpoint, RUN_ID, 1, 2,
+                                  user=USER, password_file=str(wrong), **files)
+    with pytest.raises(RendezvousConfError, match=r"^--rdzv-conf user=/password_file=: etcd "
+                                                   r"refused: .*authentication failed"):
+        create_rdzv_handler(params)
+    silent = RendezvousParameters("ultrascale", f"127.0.0.1:{free_port()}", RUN_ID, 1, 2,
+                                  etcd_timeout="1")
+    with pytest.raises(RendezvousConfError, match=r"^--rdzv-endpoint 127\.0\.0\.1:\d+: no etcd "
+                                                   r"endpoint answered"):
+        create_rdzv_handler(silent)
