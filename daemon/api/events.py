@@ -24,6 +24,7 @@ from daemon.control.records import (
     JobStatus,
     NodeRecord,
     Progress,
+    RendezvousRound,
     RestoreRecord,
 )
 from parallel.planner import Plan, PlanError
@@ -124,6 +125,8 @@ def render(keys: Keys, ev: Any) -> ClusterEvent | None:
                             message=f"step {p.skipped_step} skipped on every rank "
                                     f"({p.skipped_reason}): its update was not applied, its "
                                     f"samples were consumed")
+    if name == "rendezvous/round" and put:
+        return _rendezvous(rev, kv.value, ev.prev_kv.value if ev.prev_kv.key else None)
     if name == "directive" and put:
         d = Directive.from_json(kv.value)
         return ClusterEvent(rev, "directive", generation=d.generation,
@@ -132,6 +135,34 @@ def render(keys: Keys, ev: Any) -> ClusterEvent | None:
                                        if d.stop else "")
                                     + f"checkpoint requests {d.checkpoint_seq}")
     return None
+
+
+def _rendezvous(rev: int, raw: bytes, before_raw: bytes | None) -> ClusterEvent | None:
+    """Plain torchrun's rendezvous (daemon/rendezvous/): a round that completes, nodes that
+    join or wait, the close; heartbeats rewrite the same summary and are not news."""
+    r = RendezvousRound.from_json(raw)
+    before = RendezvousRound.from_json(before_raw) if before_raw is not None else None
+
+    def news(x: RendezvousRound) -> tuple[object, ...]:
+        return (x.round, x.complete, x.closed, x.participants, x.waiting)
+
+    if before is not None and news(before) == news(r):
+        return None
+    nodes = f"{len(r.participants)} node{'s' if len(r.participants) != 1 else ''}"
+    same_round = before is not None and before.round == r.round and before.complete
+    left = [n for n in before.participants if n not in r.participants] if same_round else []
+    if r.closed:
+        message = f"rendezvous closed (round {r.round})"
+    elif left:
+        message = f"rendezvous round {r.round}: {', '.join(left)} left ({len(r.participants)} remaining)"
+    elif r.complete:
+        message = f"rendezvous round {r.round} complete: {nodes} ({', '.join(r.participants)})"
+    else:
+        message = (f"rendezvous round {r.round}: {nodes} of {r.min_nodes}:{r.max_nodes} "
+                   "joined")
+    if r.waiting:
+        message += f"; waiting for the next round: {', '.join(r.waiting)}"
+    return ClusterEvent(rev, "rendezvous", generation=r.round, message=message)
 
 
 # A progress notification ends a replay only once some event came, or this long after the

@@ -215,3 +215,23 @@ def logs(stub: Agents, md: Any, timeout: float, args: argparse.Namespace) -> int
     finally:
         agent.close()
     return EXIT_OK
+
+
+LifecycleRun = Callable[[Agents, Any], int]
+
+
+def command(args: argparse.Namespace, emit: Emit) -> LifecycleRun | None:
+    """The lifecycle command `args` names, its flags checked now (a usage error is one line and
+    exit 2 before anything is sent), to run once connected; None for any other command."""
+    t, job_command = args.timeout, getattr(args, "job_command", "")
+    if args.command == "wait":
+        state, limit = wait_target(args.wait_for), wait_seconds(args.wait_timeout)
+        return lambda stub, md: wait(stub, md, t, state, limit)
+    if args.command == "logs":
+        return lambda stub, md: logs(stub, md, t, args)
+    if args.command == "job" and job_command == "cancel":
+        return lambda stub, md: cancel(stub, md, t, args.output, args.job, emit)
+    if args.command == "job" and job_command == "get":
+        fmt = get_output(args.spec_output)
+        return lambda stub, md: get(stub, md, t, fmt)
+    return None

@@ -7,6 +7,8 @@
       logs NODE [--rank R] [--tail N] [-f]
       plan [--explain] [--world NODESxDEVICES] [--memory BYTES] [--free DIMS] [--job FILE]
       drain NODE | cordon NODE | uncordon NODE | checkpoint | events [-f]
+      events [-f] --etcd HOST:PORT[,...] --job NAME [--etcd-ca F --etcd-cert F --etcd-key F]
+             [--etcd-user U --etcd-password-file F]   (from etcd: no agent; plain torchrun jobs)
       config get-contexts | current-context | use-context NAME | delete-context NAME
              | set-context NAME [--endpoint A[,B...]] [--token-file F] [--tls-ca F]
       completion bash|zsh|fish | version [--client]
@@ -15,9 +17,8 @@ Global flags go before or after the command: --endpoint, --token-file, --tls-ca,
 --config, -o/--output table|json|yaml, --timeout, --insecure. Each field comes from its flag,
 else its environment variable (ULTRA_ENDPOINT, ULTRA_TOKEN_FILE, ULTRA_TLS_CA, ULTRA_CONTEXT,
 ULTRACTL_CONFIG, ULTRA_OUTPUT, ULTRA_TIMEOUT, ULTRA_INSECURE), else the context. The token goes
-only to agents verified by TLS or on loopback; clear text to another host needs --insecure. An endpoint may list several
-agents (a,b,c); a context also remembers every member an agent reported, so any live agent
-answers. Data goes to stdout, diagnostics to stderr. See docs/ultractl.md.
+only to agents verified by TLS or on loopback (else --insecure). An endpoint may list several
+agents (a,b,c); a context also remembers every member an agent reported. Data goes to stdout, diagnostics to stderr. See docs/ultractl.md.
 `plan` shows the live plan with the planner's predictions; `--world`/`--memory`/`--free` ask
 what the layout search would choose on another world (with `--job FILE`, no cluster needed).
 Exit codes: 0 ok, 1 failure (including a rejected request), 2 usage (bad flags, files or
@@ -40,10 +41,11 @@ import grpc
 import yaml
 from google.protobuf.json_format import MessageToDict
 
-from daemon.cli import completion, configcmd, lifecycle, versioncmd, whatif
+from daemon.cli import completion, configcmd, etcd_events, lifecycle, versioncmd, whatif
 from daemon.cli.ctlconfig import ContextError, config_path
 from daemon.cli.ctlconnect import Agents, TargetError, TLSFiles, Unreachable, resolve_target
 from daemon.cli.ctlerrors import EXIT_FAILURE, EXIT_OK, EXIT_UNREACHABLE, EXIT_USAGE, CtlError
+from daemon.control.etcd_members import EtcdUnreachable
 from parallel import job as jobmod
 from parallel.cli_common import Parser, add_version
 from parallel.planner import Plan
@@ -155,6 +157,7 @@ def _parser(env: Mapping[str, str] | None = None) -> argparse.ArgumentParser:
     sub.add_parser("checkpoint", help="checkpoint at the next agreed step boundary")
     events = sub.add_parser("events", help="cluster events")
     events.add_argument("-f", "--follow", action="store_true")
+    etcd_events.add_flags(events)
     lifecycle.add_parsers(sub)
     configcmd.add_parsers(sub, _command_parser)
     sub.add_parser("completion", help="print a shell completion script").add_argument(
@@ -303,6 +306,19 @@ def _plan_lines(plan: dict[str, Any], explain: bool) -> Iterable[str]:
         yield from whatif.render(plan["search"], explain)
 
 
+def _print_event(d: dict[str, Any], out: str) -> None:
+    """One event per line in every format, so `-f` output can be piped as it comes."""
+    if out == "table":
+        # A hang's stacks follow its failure line, indented.
+        message = d["message"].replace("\n", "\n" + " " * 8)
+        print(f"{d['revision']:>6}  {d['kind']:<14} {d['node'] or '-':<10} {message}",
+              flush=True)
+    else:
+        print(json.dumps(d, sort_keys=True) if out == "json"
+              else yaml.safe_dump([d], sort_keys=True), end="\n" if out == "json" else "",
+              flush=True)
+
+
 def run(args: argparse.Namespace) -> int:
     if args.command == "plan":
         return _plan(args)
@@ -316,22 +332,19 @@ def run(args: argparse.Namespace) -> int:
             return configcmd.run(args, Path(args.config), _emit)
         except ContextError as exc:
             raise CtlError(str(exc), EXIT_USAGE) from None
-    # Flags checked before anything is sent: a usage error is one line and exit 2.
-    spec_output = lifecycle.get_output(args.spec_output) \
-        if getattr(args, "job_command", "") == "get" else ""
-    if args.command == "wait":
-        state = lifecycle.wait_target(args.wait_for)
-        limit = lifecycle.wait_seconds(args.wait_timeout)
+    if args.command == "events" and etcd_events.wanted(args):
+        try:
+            etcd_events.stream(args, lambda d: _print_event(d, args.output))
+        except etcd_events.EtcdEventsError as exc:
+            raise CtlError(str(exc), EXIT_USAGE) from None
+        except EtcdUnreachable as exc:
+            raise Unreachable(str(exc)) from None
+        return EXIT_OK
+    lifecycle_run = lifecycle.command(args, _emit)  # its flags are checked before connecting
     stub, md = _connect(args)
     t, out = args.timeout, args.output
-    if args.command == "wait":
-        return lifecycle.wait(stub, md, t, state, limit)
-    if args.command == "logs":
-        return lifecycle.logs(stub, md, t, args)
-    if args.command == "job" and args.job_command == "cancel":
-        return lifecycle.cancel(stub, md, t, out, args.job, _emit)
-    if args.command == "job" and args.job_command == "get":
-        return lifecycle.get(stub, md, t, spec_output)
+    if lifecycle_run is not None:
+        return lifecycle_run(stub, md)
     if args.command == "status":
         s = _dict(stub.GetStatus(pb.GetStatusRequest(), timeout=t, metadata=md))
         s["layout"] = {k: s["layout"].get(k, 0) for k in ("dp", "tp", "pp", "cp")}
@@ -359,17 +372,7 @@ def run(args: argparse.Namespace) -> int:
         stream = stub.WatchEvents(pb.WatchEventsRequest(follow=args.follow),
                                   timeout=None if args.follow else t, metadata=md)
         for ev in stream:
-            # One event per line in every format, so `-f` output can be piped as it comes.
-            d = _dict(ev)
-            if out == "table":
-                # A hang's stacks follow its failure line, indented.
-                message = d["message"].replace("\n", "\n" + " " * 8)
-                print(f"{d['revision']:>6}  {d['kind']:<14} {d['node'] or '-':<10} "
-                      f"{message}", flush=True)
-            else:
-                print(json.dumps(d, sort_keys=True) if out == "json"
-                      else yaml.safe_dump([d], sort_keys=True), end="\n" if out == "json" else "",
-                      flush=True)
+            _print_event(_dict(ev), out)
     return 0
 
 

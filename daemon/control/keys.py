@@ -82,6 +82,26 @@ class Keys:
         return self._k("restore")
 
     @property
+    def rendezvous(self) -> bytes:
+        """Plain torchrun's rendezvous of run id `job` (daemon/rendezvous/, docs/torchrun.md)."""
+        return self._k("rendezvous/")
+
+    @property
+    def rendezvous_state(self) -> bytes:
+        """torch's rendezvous state, written compare-and-set on its mod revision."""
+        return self.rendezvous + b"state"
+
+    @property
+    def rendezvous_round(self) -> bytes:
+        """A readable summary of the state (records.RendezvousRound), in the same txn."""
+        return self.rendezvous + b"round"
+
+    @property
+    def rendezvous_store(self) -> bytes:
+        """The torchrun agents' c10d store: one key per store key."""
+        return self.rendezvous + b"store/"
+
+    @property
     def private_prefix(self) -> bytes:
         return f"/ultrascale-private/{self.job}/".encode()
 

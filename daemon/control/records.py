@@ -349,3 +349,20 @@ class _JobSpecScalars(Record):
     toml: str = ""
     overrides: tuple[str, ...] = ()
     submitted_at: float = 0.0
+
+
+@dataclass(frozen=True)
+class RendezvousRound(Record):
+    """`rendezvous/round`: what plain torchrun's rendezvous state says (daemon/rendezvous/),
+    written in the same txn as the state itself, so readers never unpickle torch's state.
+    Nodes are named as torch names them: `host_pid_local-id`."""
+
+    round: int = 0
+    complete: bool = False
+    closed: bool = False
+    participants: tuple[str, ...] = ()   # in rank order
+    waiting: tuple[str, ...] = ()        # joined, for the next round
+    redundant: tuple[str, ...] = ()      # beyond max nodes, for the next round
+    min_nodes: int = 0
+    max_nodes: int = 0
+    time: float = 0.0                    # wall clock of the writer

@@ -23,6 +23,8 @@ LIBRARIES = ("trainer", "parallel", "checkpoint", "ops")
 FORBIDDEN = {
     "daemon.control": ("daemon.node", "daemon.api", "daemon.cli", "daemon.agent"),
     "daemon.node": ("daemon.api", "daemon.cli", "daemon.agent"),
+    # torchrun's rendezvous backend: etcd and the key schema only, no agent
+    "daemon.rendezvous": ("daemon.node", "daemon.api", "daemon.cli", "daemon.agent"),
 }
 
 
