@@ -30,6 +30,7 @@ DOCS = REPO / "docs" / "kubernetes.md"
 DOWNWARD = {"NODE_NAME": "gpu-node-1", "POD_IP": "192.0.2.10", "POD_NAMESPACE": "ultrascale"}
 # etcd client-certificate Secrets the agents mount, and the CN (= etcd user) of each.
 ETCD_CLIENT_CNS = {"ultrad-etcd-client": "ultrascale-agent"}
+CLUSTER_SCOPED = ("Namespace", "ClusterRole", "ClusterRoleBinding")
 
 models = pytest.importorskip("kubernetes.client.models",
                              reason="the `kubernetes` package (dev extras) is not installed")
@@ -47,7 +48,8 @@ def validate(doc: dict[str, Any], where: str) -> Any:
     group, _, version = doc.get("apiVersion", "").rpartition("/")
     kind = doc.get("kind", "")
     model = getattr(models, f"{version.capitalize()}{kind}", None)
-    if model is None or group not in ("", "apps", "batch", "policy", "networking.k8s.io"):
+    if model is None or group not in ("", "apps", "batch", "policy", "networking.k8s.io",
+                                      "rbac.authorization.k8s.io"):
         raise ManifestError(f"{where}: no Kubernetes model for {doc.get('apiVersion')}/{kind}")
     try:
         obj = model.model_validate(doc)
@@ -82,9 +84,13 @@ def daemonset() -> dict[str, Any]:
     return objects()[("DaemonSet", "ultrad")]
 
 
-def agent_container() -> dict[str, Any]:
-    (container,) = daemonset()["spec"]["template"]["spec"]["containers"]
+def container_named(pod: dict[str, Any], name: str) -> dict[str, Any]:
+    (container,) = [c for c in pod["containers"] if c["name"] == name]
     return container
+
+
+def agent_container() -> dict[str, Any]:
+    return container_named(daemonset()["spec"]["template"]["spec"], "ultrad")
 
 
 def expand(arg: str, env: dict[str, str]) -> str:
@@ -213,8 +219,11 @@ def test_kubectl_kustomize_builds_every_object_into_the_namespace() -> None:
         assert names == files | generated
         namespace = kustomization(directory)["namespace"]
         for doc in docs:
-            if doc["kind"] != "Namespace":
+            if doc["kind"] not in CLUSTER_SCOPED:
                 assert doc["metadata"]["namespace"] == namespace, doc["metadata"]["name"]
+            for subject in doc.get("subjects", ()):
+                # A binding to a service account of another namespace grants nothing here.
+                assert subject["namespace"] == namespace, doc["metadata"]["name"]
 
 
 # -- the DaemonSet against the agent ------------------------------------------------------------
@@ -481,7 +490,7 @@ def test_kustomized_agents_dial_etcd_over_https_with_the_agent_client_certificat
     docs = built()
     ds = built_object(docs, "DaemonSet", "ultrad")
     pod = ds["spec"]["template"]["spec"]
-    (container,) = pod["containers"]
+    container = container_named(pod, "ultrad")
     args = flag_values(container["args"])
     namespace = kustomization(K8S)["namespace"]
     sts = built_object(docs, "StatefulSet", "etcd")
