@@ -1,6 +1,10 @@
 """deploy/k8s: every manifest validates against the Kubernetes API models, and the DaemonSet
 agrees with the agent itself (its flag parser, its defaults, its probe services) and with the
-other manifests (ports, Secret and ConfigMap names and keys, etcd member names)."""
+other manifests (ports, Secret and ConfigMap names and keys, etcd member names). What keeps the
+deployment alive through its own operations, as `kubectl kustomize` renders it: requests on
+every container, etcd's disruption budget, the namespace's Pod Security level against what each
+pod needs, the PrometheusRule against deploy/prometheus, the image tag `make image` gives, and
+the node-watch container's wiring and permissions."""
 
 from __future__ import annotations
 
@@ -672,7 +676,7 @@ def test_a_voluntary_disruption_never_takes_etcds_quorum() -> None:
     assert not others, others
 
 
-# Pod Security Standards, the parts these pods touch (kubernetes.io's "Pod Security Standards").
+# The Pod Security Standards' checks, the parts these pods touch.
 LEVELS = ("restricted", "baseline", "privileged")  # strictest first
 BASELINE_CAPABILITIES = {"AUDIT_WRITE", "CHOWN", "DAC_OVERRIDE", "FOWNER", "FSETID", "KILL",
                          "MKNOD", "NET_BIND_SERVICE", "SETFCAP", "SETGID", "SETPCAP", "SETUID",
