@@ -4,8 +4,15 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
 TORCH_CPU ?= torch==2.13.0
+# The one version: pyproject's. Images are tagged with it; deploy/k8s references that tag.
+VERSION := $(shell sed -n 's/^version = "\(.*\)"$$/\1/p' pyproject.toml | head -n 1)
+IMAGE   ?= ultrascale/ultrad
+ENGINE  ?= $(shell command -v podman 2>/dev/null || command -v docker 2>/dev/null)
+CUDA_BASE ?= docker.io/pytorch/pytorch:2.13.0-cuda12.8-cudnn9-devel
+CPU_BASE  ?= docker.io/library/python:3.11-slim-bookworm
+TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
 
-.PHONY: install test test-unit test-distributed test-integration chaos lint demo demo-resume bench proto clean
+.PHONY: image image-cpu image-tag k8s-rules install test test-unit test-distributed test-integration chaos lint demo demo-resume bench proto clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -51,6 +58,26 @@ proto: $(VENV)/.installed
 
 bench: $(VENV)/.installed
 	$(PY) -m bench.checkpoint
+
+# Container images (deploy/container): podman or docker, whichever is installed (ENGINE=...).
+image:
+	@test -n "$(ENGINE)" || { echo "make image: neither podman nor docker is installed; install one, or set ENGINE=/path/to/engine" >&2; exit 2; }
+	$(ENGINE) build -f deploy/container/Containerfile --build-arg BASE=$(CUDA_BASE) \
+		--build-arg VERSION=$(VERSION) -t $(IMAGE):$(VERSION) .
+
+image-cpu:
+	@test -n "$(ENGINE)" || { echo "make image-cpu: neither podman nor docker is installed; install one, or set ENGINE=/path/to/engine" >&2; exit 2; }
+	$(ENGINE) build -f deploy/container/Containerfile.cpu --build-arg BASE=$(CPU_BASE) \
+		--build-arg TORCH=$(TORCH_CPU) --build-arg TORCH_INDEX=$(TORCH_INDEX) \
+		--build-arg VERSION=$(VERSION) -t $(IMAGE):$(VERSION)-cpu .
+
+# The tag `make image` gives (deploy/k8s/kustomization.yaml's images: entry must name it).
+image-tag:
+	@echo $(IMAGE):$(VERSION)
+
+# deploy/k8s/monitoring/prometheusrule.yaml from deploy/prometheus/*.rules.yml.
+k8s-rules: $(VENV)/.installed
+	$(PY) deploy/k8s/monitoring/render_rules.py > deploy/k8s/monitoring/prometheusrule.yaml
 
 clean:
 	rm -rf runs .pytest_cache .ruff_cache

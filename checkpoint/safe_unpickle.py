@@ -25,6 +25,7 @@ callers turn that into the same "invalid, fall back" as a checksum mismatch, nam
 from __future__ import annotations
 
 import collections
+import enum
 import io
 import pathlib
 import pickle
@@ -67,6 +68,17 @@ _VALUE_GLOBALS: Mapping[tuple[str, str], Any] = MappingProxyType({
        for d in vars(torch).values() if isinstance(d, torch.dtype)},
 })
 
+def _enum_member(cls: Any, name: Any) -> Any:
+    """`getattr` as Python 3.11.0 to 3.11.4 (Debian 12's 3.11.2 among them) pickle an Enum
+    member: getattr(its class, its name). The class was resolved through the allow-list; only
+    a member of an Enum class is answered, never another attribute."""
+    if not (isinstance(cls, type) and issubclass(cls, enum.Enum) and isinstance(name, str)
+            and name in cls.__members__):
+        raise UnsafePickle(f"it calls builtins.getattr on {getattr(cls, '__qualname__', cls)!r}"
+                           f".{name!r}, which is no Enum member")
+    return cls.__members__[name]
+
+
 # DCP's Metadata: the dataclasses it is made of, the storage records of DCP's file system
 # writer and of our snapshot writer, and what their fields hold.
 _METADATA_GLOBALS: Mapping[tuple[str, str], Any] = MappingProxyType({
@@ -87,6 +99,8 @@ _METADATA_GLOBALS: Mapping[tuple[str, str], Any] = MappingProxyType({
     ),
     # A layout is pickled as a call of this lookup by name (torch/serialization.py).
     ("torch.serialization", "_get_layout"): torch.serialization._get_layout,  # noqa: SLF001
+    # _MEM_FORMAT_ENCODING's members, as some Python 3.11 releases pickle them.
+    ("builtins", "getattr"): _enum_member,
 })
 
 

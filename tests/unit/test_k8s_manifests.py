@@ -1,6 +1,10 @@
 """deploy/k8s: every manifest validates against the Kubernetes API models, and the DaemonSet
 agrees with the agent itself (its flag parser, its defaults, its probe services) and with the
-other manifests (ports, Secret and ConfigMap names and keys, etcd member names)."""
+other manifests (ports, Secret and ConfigMap names and keys, etcd member names). What keeps the
+deployment alive through its own operations, as `kubectl kustomize` renders it: requests on
+every container, etcd's disruption budget, the namespace's Pod Security level against what each
+pod needs, the PrometheusRule against deploy/prometheus, the image tag `make image` gives, and
+the node-watch container's wiring and permissions."""
 
 from __future__ import annotations
 
@@ -30,6 +34,7 @@ DOCS = REPO / "docs" / "kubernetes.md"
 DOWNWARD = {"NODE_NAME": "gpu-node-1", "POD_IP": "192.0.2.10", "POD_NAMESPACE": "ultrascale"}
 # etcd client-certificate Secrets the agents mount, and the CN (= etcd user) of each.
 ETCD_CLIENT_CNS = {"ultrad-etcd-client": "ultrascale-agent"}
+CLUSTER_SCOPED = ("Namespace", "ClusterRole", "ClusterRoleBinding")
 
 models = pytest.importorskip("kubernetes.client.models",
                              reason="the `kubernetes` package (dev extras) is not installed")
@@ -47,7 +52,8 @@ def validate(doc: dict[str, Any], where: str) -> Any:
     group, _, version = doc.get("apiVersion", "").rpartition("/")
     kind = doc.get("kind", "")
     model = getattr(models, f"{version.capitalize()}{kind}", None)
-    if model is None or group not in ("", "apps", "batch", "policy", "networking.k8s.io"):
+    if model is None or group not in ("", "apps", "batch", "policy", "networking.k8s.io",
+                                      "rbac.authorization.k8s.io"):
         raise ManifestError(f"{where}: no Kubernetes model for {doc.get('apiVersion')}/{kind}")
     try:
         obj = model.model_validate(doc)
@@ -82,9 +88,13 @@ def daemonset() -> dict[str, Any]:
     return objects()[("DaemonSet", "ultrad")]
 
 
-def agent_container() -> dict[str, Any]:
-    (container,) = daemonset()["spec"]["template"]["spec"]["containers"]
+def container_named(pod: dict[str, Any], name: str) -> dict[str, Any]:
+    (container,) = [c for c in pod["containers"] if c["name"] == name]
     return container
+
+
+def agent_container() -> dict[str, Any]:
+    return container_named(daemonset()["spec"]["template"]["spec"], "ultrad")
 
 
 def expand(arg: str, env: dict[str, str]) -> str:
@@ -213,8 +223,11 @@ def test_kubectl_kustomize_builds_every_object_into_the_namespace() -> None:
         assert names == files | generated
         namespace = kustomization(directory)["namespace"]
         for doc in docs:
-            if doc["kind"] != "Namespace":
+            if doc["kind"] not in CLUSTER_SCOPED:
                 assert doc["metadata"]["namespace"] == namespace, doc["metadata"]["name"]
+            for subject in doc.get("subjects", ()):
+                # A binding to a service account of another namespace grants nothing here.
+                assert subject["namespace"] == namespace, doc["metadata"]["name"]
 
 
 # -- the DaemonSet against the agent ------------------------------------------------------------
@@ -481,7 +494,7 @@ def test_kustomized_agents_dial_etcd_over_https_with_the_agent_client_certificat
     docs = built()
     ds = built_object(docs, "DaemonSet", "ultrad")
     pod = ds["spec"]["template"]["spec"]
-    (container,) = pod["containers"]
+    container = container_named(pod, "ultrad")
     args = flag_values(container["args"])
     namespace = kustomization(K8S)["namespace"]
     sts = built_object(docs, "StatefulSet", "etcd")
@@ -561,3 +574,324 @@ def test_kustomized_bootstrap_job_runs_the_rbac_script_as_etcd_root() -> None:
     assert security["allowPrivilegeEscalation"] is False
     assert security["capabilities"]["drop"] == ["ALL"]
     assert pod["securityContext"]["runAsNonRoot"] is True
+
+
+# -- surviving its own operations: QoS, disruption budget, pod security -------------------------
+
+
+def pod_templates(docs: list[dict[str, Any]]) -> dict[tuple[str, str], dict[str, Any]]:
+    return {(d["kind"], d["metadata"]["name"]): d["spec"]["template"]["spec"]
+            for d in docs if d["kind"] in ("DaemonSet", "StatefulSet", "Deployment", "Job")}
+
+
+def quantity(text: str | int) -> float:
+    """A Kubernetes quantity (cpu or bytes) as a number."""
+    from kubernetes.utils.quantity import parse_quantity
+
+    return float(parse_quantity(text))
+
+
+def qos_class(pod: dict[str, Any]) -> str:
+    """The QoS class the kubelet gives the pod (cpu and memory only, as it does)."""
+    containers = pod["containers"] + pod.get("initContainers", [])
+    requests = [c.get("resources", {}).get("requests", {}) for c in containers]
+    limits = [c.get("resources", {}).get("limits", {}) for c in containers]
+    if not any(r.get(k) or li.get(k) for r, li in zip(requests, limits, strict=True)
+               for k in ("cpu", "memory")):
+        return "BestEffort"
+    # A limit without a request makes the request equal to the limit.
+    guaranteed = all(li.get(k) and quantity(r.get(k, li[k])) == quantity(li[k])
+                     for r, li in zip(requests, limits, strict=True) for k in ("cpu", "memory"))
+    return "Guaranteed" if guaranteed else "Burstable"
+
+
+def test_every_container_requests_cpu_and_memory() -> None:
+    pods = pod_templates(built())
+    assert {("DaemonSet", "ultrad"), ("StatefulSet", "etcd"), ("Job", "etcd-rbac")} <= set(pods)
+    for workload, pod in pods.items():
+        for container in pod["containers"] + pod.get("initContainers", []):
+            resources = container.get("resources", {})
+            requests, limits = resources.get("requests", {}), resources.get("limits", {})
+            where = f"{workload[0]}/{workload[1]} container {container['name']}"
+            for key in ("cpu", "memory"):
+                assert quantity(requests.get(key, 0)) > 0, f"{where}: no {key} request"
+                if key in limits:
+                    assert quantity(limits[key]) >= quantity(requests[key]), where
+        assert qos_class(pod) != "BestEffort", workload
+
+
+def test_qos_class_follows_the_kubelets_rules() -> None:
+    def pod(**resources: dict[str, str]) -> dict[str, Any]:
+        return {"containers": [{"name": "c", "resources": resources}]}
+
+    assert qos_class(pod()) == "BestEffort"
+    assert qos_class(pod(limits={"nvidia.com/gpu": "8"})) == "BestEffort"
+    assert qos_class(pod(requests={"cpu": "1", "memory": "1Gi"})) == "Burstable"
+    assert qos_class(pod(limits={"cpu": "1", "memory": "1Gi"})) == "Guaranteed"
+    assert qos_class(pod(requests={"cpu": "1", "memory": "1Gi"},
+                         limits={"cpu": "1", "memory": "2Gi"})) == "Burstable"
+
+
+def test_the_agent_reserves_memory_for_its_shared_memory_volume() -> None:
+    ds = built_object(built(), "DaemonSet", "ultrad")
+    pod = ds["spec"]["template"]["spec"]
+    agent = container_named(pod, "ultrad")
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    shm = sum(quantity(volumes[m["name"]]["emptyDir"].get("sizeLimit", 0))
+              for m in agent["volumeMounts"]
+              if volumes[m["name"]].get("emptyDir", {}).get("medium") == "Memory")
+    assert shm >= quantity("64Gi"), "collectives and snapshots need a large /dev/shm"
+    requests = agent["resources"]["requests"]
+    # tmpfs pages are charged to the pod: the request covers /dev/shm full plus the processes
+    # (the agent and one worker per device, a few GiB each at the least).
+    devices = int(agent["resources"]["limits"]["nvidia.com/gpu"])
+    assert quantity(requests["memory"]) >= shm + devices * quantity("4Gi"), requests
+    assert quantity(requests["cpu"]) >= devices, "at least a core per worker"
+    # A memory limit would have to hold /dev/shm too, and an OOM kill is the failure path:
+    # docs/kubernetes.md explains why the agent has none (Burstable).
+    assert "memory" not in agent["resources"].get("limits", {})
+    assert qos_class(pod) == "Burstable"
+    assert "Burstable" in DOCS.read_text()
+
+
+def test_a_voluntary_disruption_never_takes_etcds_quorum() -> None:
+    docs = built()
+    sts = built_object(docs, "StatefulSet", "etcd")
+    labels = sts["spec"]["template"]["metadata"]["labels"]
+    budgets = [d for d in docs if d["kind"] == "PodDisruptionBudget"
+               and _selects(d["spec"]["selector"], labels)]
+    assert len(budgets) == 1, "one PodDisruptionBudget selects the etcd pods"
+    (pdb,) = budgets
+    validate(pdb, "PodDisruptionBudget")
+    assert pdb["apiVersion"] == "policy/v1"
+    assert pdb["spec"] == {"maxUnavailable": 1, "selector": pdb["spec"]["selector"]}
+    replicas = sts["spec"]["replicas"]
+    assert replicas - pdb["spec"]["maxUnavailable"] >= replicas // 2 + 1, "a quorum stays"
+    # It selects etcd's pods and no others.
+    others = [w for w, pod_labels in
+              ((k, d["spec"]["template"]["metadata"]["labels"]) for k, d in
+               (((d["kind"], d["metadata"]["name"]), d) for d in docs
+                if d["kind"] in ("DaemonSet", "Job")))
+              if _selects(pdb["spec"]["selector"], pod_labels)]
+    assert not others, others
+
+
+# The Pod Security Standards' checks, the parts these pods touch.
+LEVELS = ("restricted", "baseline", "privileged")  # strictest first
+BASELINE_CAPABILITIES = {"AUDIT_WRITE", "CHOWN", "DAC_OVERRIDE", "FOWNER", "FSETID", "KILL",
+                         "MKNOD", "NET_BIND_SERVICE", "SETFCAP", "SETGID", "SETPCAP", "SETUID",
+                         "SYS_CHROOT"}
+RESTRICTED_VOLUMES = {"configMap", "csi", "downwardAPI", "emptyDir", "ephemeral",
+                      "persistentVolumeClaim", "projected", "secret"}
+
+
+def pod_security_violations(pod: dict[str, Any]) -> dict[str, set[str]]:
+    """level -> what in the pod that level forbids."""
+    out: dict[str, set[str]] = {"baseline": set(), "restricted": set()}
+    for key in ("hostNetwork", "hostPID", "hostIPC"):
+        if pod.get(key):
+            out["baseline"].add(key)
+    pod_security = pod.get("securityContext", {})
+    volume_types = {k for v in pod.get("volumes", []) for k in v if k != "name"}
+    if "hostPath" in volume_types:
+        out["baseline"].add("hostPath")
+    out["restricted"] |= {f"volume {t}" for t in volume_types - RESTRICTED_VOLUMES}
+    for c in pod["containers"] + pod.get("initContainers", []):
+        sc = c.get("securityContext", {})
+        if sc.get("privileged"):
+            out["baseline"].add("privileged")
+        if any(p.get("hostPort") for p in c.get("ports", [])):
+            out["baseline"].add("hostPort")
+        added = set(sc.get("capabilities", {}).get("add", []))
+        out["baseline"] |= {f"capability {a}" for a in added - BASELINE_CAPABILITIES}
+        out["restricted"] |= {f"capability {a}" for a in added - {"NET_BIND_SERVICE"}}
+        if sc.get("allowPrivilegeEscalation") is not False:
+            out["restricted"].add(f"{c['name']}: allowPrivilegeEscalation")
+        if "ALL" not in sc.get("capabilities", {}).get("drop", []):
+            out["restricted"].add(f"{c['name']}: capabilities not dropped")
+        if not sc.get("runAsNonRoot", pod_security.get("runAsNonRoot", False)):
+            out["restricted"].add(f"{c['name']}: may run as root")
+        seccomp = sc.get("seccompProfile", pod_security.get("seccompProfile", {}))
+        if seccomp.get("type") not in ("RuntimeDefault", "Localhost"):
+            out["restricted"].add(f"{c['name']}: no seccomp profile")
+    out["restricted"] |= out["baseline"]
+    return out
+
+
+def pod_security_level(pod: dict[str, Any]) -> str:
+    violations = pod_security_violations(pod)
+    return next(level for level in LEVELS if not violations.get(level))
+
+
+def test_the_pod_security_checker_knows_the_levels() -> None:
+    restricted = {"securityContext": {"runAsNonRoot": True,
+                                      "seccompProfile": {"type": "RuntimeDefault"}},
+                  "containers": [{"name": "c", "securityContext": {
+                      "allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}}}]}
+    assert pod_security_level(restricted) == "restricted"
+    as_root = copy.deepcopy(restricted)
+    as_root["securityContext"]["runAsNonRoot"] = False
+    assert pod_security_level(as_root) == "baseline"
+    host = copy.deepcopy(restricted)
+    host["hostNetwork"] = True
+    assert pod_security_level(host) == "privileged"
+    ipc_lock = copy.deepcopy(restricted)
+    ipc_lock["containers"][0]["securityContext"]["capabilities"]["add"] = ["IPC_LOCK"]
+    assert pod_security_level(ipc_lock) == "privileged"
+
+
+def test_the_namespace_enforces_the_strictest_level_every_pod_meets() -> None:
+    docs = built()
+    namespace = built_object(docs, "Namespace", kustomization(K8S)["namespace"])
+    labels = namespace["metadata"]["labels"]
+    levels = {w: pod_security_level(pod) for w, pod in pod_templates(docs).items()}
+    strictest_for_all = max(levels.values(), key=LEVELS.index)
+    assert labels["pod-security.kubernetes.io/enforce"] == strictest_for_all, levels
+    for mode in ("enforce", "audit", "warn"):
+        assert labels[f"pod-security.kubernetes.io/{mode}"] in LEVELS, mode
+        assert labels[f"pod-security.kubernetes.io/{mode}-version"] == "latest", mode
+        assert LEVELS.index(labels[f"pod-security.kubernetes.io/{mode}"]) \
+            <= LEVELS.index(labels["pod-security.kubernetes.io/enforce"]), mode
+    # Only the agents need more than what audit and warn report on: any other pod that does
+    # shows up at apply time.
+    reported = {labels["pod-security.kubernetes.io/audit"], labels["pod-security.kubernetes.io/warn"]}
+    for workload, level in levels.items():
+        if workload != ("DaemonSet", "ultrad"):
+            assert all(LEVELS.index(level) <= LEVELS.index(r) for r in reported), (workload, level)
+    # What puts the agents at the privileged level, each one explained in the docs.
+    agent = pod_templates(docs)[("DaemonSet", "ultrad")]
+    assert pod_security_violations(agent)["baseline"] \
+        == {"hostNetwork", "hostPath", "capability IPC_LOCK"}
+    docs_text = DOCS.read_text()
+    for need in ("hostNetwork", "hostPath", "IPC_LOCK"):
+        assert need in docs_text.split("Why ultrad needs what it needs", 1)[1], need
+
+
+# -- monitoring: the PrometheusRule is the rule files --------------------------------------------
+
+
+def _render_rules() -> Any:
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(
+        "render_rules", K8S / "monitoring" / "render_rules.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_prometheusrule_carries_exactly_the_rule_files(tmp_path: Path) -> None:
+    committed = (K8S / "monitoring" / "prometheusrule.yaml").read_text()
+    assert committed == _render_rules().render(), \
+        "deploy/k8s/monitoring/prometheusrule.yaml is stale: run `make k8s-rules`"
+    docs = built(K8S / "monitoring")
+    rule = built_object(docs, "PrometheusRule", "ultrad")
+    assert rule["apiVersion"] == "monitoring.coreos.com/v1"
+    assert rule["metadata"]["namespace"] == kustomization(K8S / "monitoring")["namespace"]
+    assert set(rule["spec"]) == {"groups"}
+    files = [g for name in ("recording.rules.yml", "alerts.rules.yml")
+             for g in yaml.safe_load((REPO / "deploy" / "prometheus" / name).read_text())["groups"]]
+    assert rule["spec"]["groups"] == files
+    alerts = [r for g in rule["spec"]["groups"] for r in g["rules"] if "alert" in r]
+    assert {"UltraAgentDown", "UltraAllAgentsDown", "UltraAgentsAbsent"} \
+        <= {a["alert"] for a in alerts}
+    # The groups are valid Prometheus rules as the operator hands them over.
+    promtool = shutil.which("promtool")
+    if promtool is not None:
+        path = tmp_path / "prometheusrule.rules.yml"
+        path.write_text(yaml.safe_dump({"groups": rule["spec"]["groups"]}))
+        result = subprocess.run([promtool, "check", "rules", str(path)], capture_output=True,
+                                text=True, timeout=60)
+        assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_the_rendered_rules_follow_an_edit_of_the_rule_files(tmp_path: Path) -> None:
+    for name in ("recording.rules.yml", "alerts.rules.yml"):
+        shutil.copy(REPO / "deploy" / "prometheus" / name, tmp_path / name)
+    alerts = yaml.safe_load((tmp_path / "alerts.rules.yml").read_text())
+    alerts["groups"][0]["rules"][0]["for"] = "7m"
+    (tmp_path / "alerts.rules.yml").write_text(yaml.safe_dump(alerts))
+    edited = _render_rules().render(tmp_path)
+    assert edited != (K8S / "monitoring" / "prometheusrule.yaml").read_text()
+    assert "for: 7m" in edited
+
+
+# -- the image `make image` builds --------------------------------------------------------------
+
+
+def test_the_manifests_name_the_image_make_builds() -> None:
+    make = shutil.which("make")
+    if make is None:
+        pytest.skip("make is not installed")
+    tag = subprocess.run([make, "-s", "--no-print-directory", "image-tag"], cwd=REPO,
+                         capture_output=True, text=True, timeout=60, check=True).stdout.strip()
+    version = re.search(r'^version = "([^"]+)"', (REPO / "pyproject.toml").read_text(), re.M)
+    assert version and tag == f"ultrascale/ultrad:{version.group(1)}"
+    docs = built()
+    images = {c["image"] for pod in pod_templates(docs).values() for c in pod["containers"]
+              if "ultrad" in c["image"]}
+    assert images == {tag}, images
+    ds = built_object(docs, "DaemonSet", "ultrad")
+    assert ds["metadata"]["labels"]["app.kubernetes.io/version"] == version.group(1)
+    for containerfile in ("Containerfile", "Containerfile.cpu"):
+        text = (REPO / "deploy" / "container" / containerfile).read_text()
+        assert containerfile in (REPO / "Makefile").read_text()
+        assert re.search(r"^FROM \$\{BASE\}$", text, re.M), containerfile
+    assert '"/src[gpu]"' in (REPO / "deploy" / "container" / "Containerfile").read_text()
+    torch_cpu = re.search(r"^TORCH_CPU \?= (\S+)$", (REPO / "Makefile").read_text(), re.M)
+    assert torch_cpu and f"ARG TORCH={torch_cpu.group(1)}" in \
+        (REPO / "deploy" / "container" / "Containerfile.cpu").read_text()
+
+
+# -- the node-watch container: cordon -> drain ---------------------------------------------------
+
+
+def test_the_nodewatch_container_reaches_its_agent_and_only_it_reads_nodes(
+        tmp_path: Path) -> None:
+    from daemon.cli import nodewatch
+
+    docs = built()
+    ds = built_object(docs, "DaemonSet", "ultrad")
+    pod = ds["spec"]["template"]["spec"]
+    agent, watch = container_named(pod, "ultrad"), container_named(pod, "nodewatch")
+    assert {c["name"] for c in pod["containers"]} == {"ultrad", "nodewatch"}
+    # Its command line parses (unknown flags would exit 2).
+    env = {e["name"]: e.get("value", "") for e in watch["env"]}
+    args = nodewatch._parser({"KUBERNETES_SERVICE_HOST": "10.0.0.1"}).parse_args(
+        [expand(a, DOWNWARD) for a in watch["args"]])
+    assert args.node == DOWNWARD["NODE_NAME"]
+    assert watch["command"][-1] == "daemon.cli.nodewatch"
+    # It dials the agent's gRPC port on the node's address, with the agent's token and TLS.
+    ports = {p["name"]: p["containerPort"] for p in agent["ports"]}
+    assert expand(env["ULTRA_ENDPOINT"], DOWNWARD) == f"{DOWNWARD['POD_IP']}:{ports['grpc']}"
+    agent_args = flag_values(agent["args"])
+    assert env["ULTRA_TOKEN_FILE"] == agent_args["--token-file"]
+    assert (env["ULTRA_TLS_CA"], env["ULTRA_TLS_CERT"], env["ULTRA_TLS_KEY"]) == (
+        agent_args["--tls-ca"], agent_args["--tls-cert"], agent_args["--tls-key"])
+    for path in (env["ULTRA_TOKEN_FILE"], env["ULTRA_TLS_CA"], env["ULTRA_TLS_KEY"]):
+        volume, _ = mounted_file(pod, watch, path)
+        assert volume == mounted_file(pod, agent, path)[0]
+    # The service account token reaches the watcher alone: the agent runs no API calls.
+    assert pod["automountServiceAccountToken"] is False
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    token_volumes = {name for name, v in volumes.items()
+                     if any("serviceAccountToken" in s for s in v.get("projected", {})
+                            .get("sources", ()))}
+    assert token_volumes and all(
+        m["name"] not in token_volumes for m in agent["volumeMounts"])
+    (mount,) = [m for m in watch["volumeMounts"] if m["name"] in token_volumes]
+    assert Path(mount["mountPath"]) == nodewatch.SERVICE_ACCOUNT
+    assert watch["securityContext"]["capabilities"]["drop"] == ["ALL"]
+    assert watch["securityContext"]["allowPrivilegeEscalation"] is False
+    # Its service account may get nodes, and nothing else.
+    account = pod["serviceAccountName"]
+    built_object(docs, "ServiceAccount", account)
+    bindings = [d for d in docs if d["kind"] in ("ClusterRoleBinding", "RoleBinding")
+                and any(s["kind"] == "ServiceAccount" and s["name"] == account
+                        for s in d["subjects"])]
+    rules = [r for b in bindings
+             for r in built_object(docs, b["roleRef"]["kind"], b["roleRef"]["name"])["rules"]]
+    assert rules == [{"apiGroups": [""], "resources": ["nodes"], "verbs": ["get"]}]
+    for binding in bindings:
+        validate(binding, binding["kind"])

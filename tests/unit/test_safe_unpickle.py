@@ -4,6 +4,7 @@ refused, naming what it would call, before any of it runs."""
 from __future__ import annotations
 
 import collections
+import enum
 import io
 import os
 import pickle
@@ -14,6 +15,7 @@ import pytest
 import torch
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import (
+    _MEM_FORMAT_ENCODING,
     BytesStorageMetadata,
     ChunkStorageMetadata,
     Metadata,
@@ -68,6 +70,52 @@ def test_dcp_metadata_round_trips(storage):
     props = loaded.state_dict_metadata["state.model.w"].properties
     assert (props.dtype, props.layout, props.memory_format) == (
         torch.bfloat16, torch.strided, torch.channels_last)
+
+
+class _Py311EnumPickler(pickle.Pickler):
+    """Pickles Enum members as Python 3.11.0 to 3.11.4 do: getattr(their class, their name)."""
+
+    def reducer_override(self, obj: Any) -> Any:
+        if isinstance(obj, enum.Enum):
+            return getattr, (type(obj), obj.name)
+        return NotImplemented
+
+
+def _dumps_as_py311(obj: Any) -> bytes:
+    buffer = io.BytesIO()
+    _Py311EnumPickler(buffer).dump(obj)
+    return buffer.getvalue()
+
+
+def test_metadata_pickled_by_python_3_11_2_loads():
+    metadata = _metadata(_StorageInfo("__0_0.distcp", 0, 32))
+    data = _dumps_as_py311(metadata)
+    assert b"getattr" in data, "the pickle names builtins.getattr, as Debian 12's Python writes"
+    loaded = load_metadata(data)
+    assert loaded == metadata
+    assert loaded.state_dict_metadata["state.model.w"].properties.memory_format \
+        == torch.channels_last
+
+
+class _GetattrOf:
+    """Unpickling it calls getattr(obj, name)."""
+
+    def __init__(self, obj: Any, name: Any) -> None:
+        self.obj, self.name = obj, name
+
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
+        return getattr, (self.obj, self.name)
+
+
+@pytest.mark.parametrize("obj, name", [
+    (TensorProperties, "__init__"),     # an allowed class, but no Enum
+    (torch.Size, "__class__"),
+    (_MEM_FORMAT_ENCODING, "__class__"),  # an Enum, but no member
+    (_MEM_FORMAT_ENCODING, "mro"),
+])
+def test_getattr_answers_enum_members_only(obj, name):
+    with pytest.raises(UnsafePickle, match="getattr"):
+        load_metadata(pickle.dumps(_GetattrOf(obj, name)))
 
 
 VALUES = [3, -0.0, float("inf"), True, None, "lr", b"\x00", (0.9, 0.999), [1, [2]],
