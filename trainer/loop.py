@@ -19,12 +19,13 @@ from torch.distributed.tensor import DTensor
 
 from checkpoint.state import Progress, TrainState
 from models import get_spec
-from ops.loss import count_tokens, cross_entropy_sum
+from models.moe.aux_loss import RouterAuxLoss
+from ops.loss import IGNORE_INDEX, count_tokens, cross_entropy_sum
 from parallel import grad_norm
 from parallel.exact_sum import exact_slot_sum, exact_squared_norm
 from parallel.job import JobConfig, TrainConfig
 from parallel.layout import Layout, predicted_bubble
-from parallel.mesh import data_mesh
+from parallel.mesh import data_mesh, expert_data_mesh, has_experts_dim
 from parallel.mixed_precision import compute_context
 from parallel.parallelize import parallelize
 from parallel.pipeline import Pipeline
@@ -82,10 +83,14 @@ def learning_rate(t: TrainConfig, step: int) -> float:
 
 
 def build_optimizer(
-    model: torch.nn.Module, t: TrainConfig, zero1_dp_mesh: DeviceMesh | None = None
+    model: torch.nn.Module,
+    t: TrainConfig,
+    zero1_dp_mesh: DeviceMesh | None = None,
+    expert_dp_mesh: DeviceMesh | None = None,
 ) -> torch.optim.Optimizer:
     """AdamW, updating DTensors through their local shards (trainer/shard_local_adamw.py); with
-    `zero1_dp_mesh`, ZeRO-1's AdamW whose state is sharded over that dp mesh."""
+    `zero1_dp_mesh`, ZeRO-1's AdamW whose state is sharded over that dp mesh (routed experts'
+    over `expert_dp_mesh` under expert parallelism)."""
     # Decay matrices only; norms (1-D) keep their scale. DTensor.ndim is the global ndim.
     decay = [p for p in model.parameters() if p.ndim >= 2]
     no_decay = [p for p in model.parameters() if p.ndim < 2]
@@ -101,6 +106,7 @@ def build_optimizer(
             betas=(t.beta1, t.beta2),
             eps=t.eps,
             weight_decay=t.weight_decay,
+            expert_dp_mesh=expert_dp_mesh,
         )
     return ShardLocalAdamW(groups, lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps)
 
@@ -146,7 +152,10 @@ class Trainer:
         for part in parts:
             part.init_buffers(device)
         zero1 = data_mesh(mesh) if mesh is not None and layout.zero == 1 else None
-        self.optimizer = build_optimizer(self.model, cfg.train, zero1)
+        expert_dp = expert_data_mesh(mesh) if mesh is not None and has_experts_dim(mesh) else None
+        self.optimizer = build_optimizer(self.model, cfg.train, zero1, expert_dp)
+        # The moe family's load-balancing loss (models.moe.aux_loss); None for dense models.
+        self.router_aux: RouterAuxLoss | None = getattr(self.model, "router_aux", None)
         self.progress = Progress()
         self.state = TrainState(self.model, self.optimizer, self.progress)
         self.stream = stream or open_stream(
@@ -188,6 +197,13 @@ class Trainer:
         # (to_local is differentiable) so that callers and the pipeline see plain tensors.
         loss = local_loss(cross_entropy_sum(logits, targets) / self._loss_tokens)
         return loss * math.nan if self._inject_loss else loss
+
+    def _aux_weights(self, targets: torch.Tensor) -> torch.Tensor:
+        """Per-sequence weights of the balancing loss: coef / global_batch for a sample, 0 for
+        a padding slot, so the step's loss is coef x the mean over its samples (per layer)."""
+        real = (targets != IGNORE_INDEX).any(dim=-1)
+        coef = self.cfg.model.router_aux_loss_coef / self.cfg.train.global_batch
+        return real.to(torch.float32) * coef
 
     def train_step(self) -> StepResult:
         t, layout = self.cfg.train, self.layout
@@ -323,11 +339,16 @@ class Trainer:
             tokens = torch.zeros((), dtype=torch.int64, device=self.device)
             for mb in batches:
                 inputs, targets = mb.inputs.to(self.device), mb.targets.to(self.device)
+                if self.router_aux is not None:
+                    self.router_aux.begin(self._aux_weights(targets))
                 with vocab_parallel_loss(layout.tp):
                     with compute_context(layout, self.device):
                         loss = self._micro_batch_loss(self.model(inputs), targets)
                     loss.backward()
                 loss_sum += loss.detach()
+                if self.router_aux is not None:
+                    # The reported loss is the objective: cross-entropy + balancing loss.
+                    loss_sum += self.router_aux.end()
                 tokens += count_tokens(targets)
         if self.dp_group is not None:
             reduced = torch.stack([loss_sum, tokens.to(loss_sum.dtype)])
@@ -417,7 +438,12 @@ class Trainer:
             if isinstance(self.optimizer, ShardedAdamW):
                 # ZeRO-1: clip the reduce-scattered gradient slices the optimizer will apply.
                 grads = self.optimizer.reduce_gradients()
-                norm = _total_norm(grads)
+                if self.layout.ep > 1:
+                    # Expert slices live on another mesh (edp x ep) than the others (dp).
+                    squared = grad_norm.squared_norm(grads)
+                    norm = squared.sqrt() if squared is not None else _total_norm(grads)
+                else:
+                    norm = _total_norm(grads)
             else:
                 grads = [p.grad for p in self.model.parameters() if p.grad is not None]
                 squared = grad_norm.squared_norm(grads)  # no DTensor op: fast in a new world

@@ -1,0 +1,59 @@
+"""The load-balancing loss in training: weighted per sequence, added through the layer's output.
+
+The trainer opens each training micro-batch with `begin(row_weights)`, one weight per sequence
+of the micro-batch: router_aux_loss_coef / global_batch for a sample, 0 for a padding slot.
+Every MoE layer then adds coef · mean-over-the-step's-sequences of its per-sequence loss
+(models.moe.router), so the step's auxiliary loss is the sum over MoE layers of that mean,
+whatever dp, ep and the micro-batch size. Its gradient enters through the layer's output (an
+identity whose backward also hands the loss a gradient of 1), so it needs no path of its own to
+the loss: the layer's backward, which FSDP and the pipeline already schedule, carries it.
+Outside `begin`/`end` (evaluation) no auxiliary loss is computed.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from models.moe.router import load_balancing_loss
+
+
+class _AddLossGradient(torch.autograd.Function):
+    """Identity on `out`; backward gives `loss` the gradient 1, as if it were added to the
+    objective."""
+
+    @staticmethod
+    def forward(ctx: torch.autograd.function.FunctionCtx, out: torch.Tensor,
+                loss: torch.Tensor) -> torch.Tensor:
+        ctx.loss_shape = loss.shape  # type: ignore[attr-defined]
+        return out.view_as(out)
+
+    @staticmethod
+    def backward(ctx: torch.autograd.function.FunctionCtx,
+                 grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return grad, torch.ones(ctx.loss_shape, dtype=torch.float32,  # type: ignore[attr-defined]
+                                device=grad.device)
+
+
+class RouterAuxLoss:
+    """One model's auxiliary loss of the current micro-batch (its layers share the object)."""
+
+    def __init__(self) -> None:
+        self.row_weights: torch.Tensor | None = None
+        self.total = torch.zeros((), device="cpu")  # built under torch.device("meta")
+
+    def begin(self, row_weights: torch.Tensor) -> None:
+        self.row_weights = row_weights.float()
+        self.total = torch.zeros((), device=row_weights.device)
+
+    def end(self) -> torch.Tensor:
+        """The micro-batch's auxiliary loss (detached), summed over layers."""
+        self.row_weights = None
+        return self.total
+
+    def attach(self, out: torch.Tensor, probs: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+        """`out` of a layer whose routing gave probs (b, s, E) and experts (b, s, k)."""
+        if self.row_weights is None or not torch.is_grad_enabled():
+            return out
+        loss = (load_balancing_loss(probs, experts) * self.row_weights).sum()
+        self.total = self.total + loss.detach()
+        return _AddLossGradient.apply(out, loss)
