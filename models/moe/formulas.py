@@ -45,7 +45,8 @@ def _moe_mlp(m: ModelConfig) -> tuple[ParamShape, ...]:
 
 def _routed(m: ModelConfig) -> tuple[ParamShape, ...]:
     e, h, i = m.num_experts, m.hidden_size, expert_size(m)
-    return (ParamShape((e, i, h), None), ParamShape((e, i, h), None), ParamShape((e, h, i), None))
+    return (ParamShape((e, i, h), None, ep_dim=0), ParamShape((e, i, h), None, ep_dim=0),
+            ParamShape((e, h, i), None, ep_dim=0))
 
 
 def moe_counts(m: ModelConfig) -> MoECounts:
@@ -77,13 +78,17 @@ def param_shapes(m: ModelConfig) -> dict[str, tuple[ParamShape, ...]]:
 
 
 def param_counts(m: ModelConfig) -> ParamCounts:
-    shapes = param_shapes(m)
+    """Per layer: the mean over layers (dense-first layers are smaller), rounded up, so the
+    total is exact when every layer is MoE and over by less than num_hidden_layers otherwise."""
     dense = llama.param_counts(m)
+    counts = moe_counts(m)
+    layers = counts.total - dense.embedding - dense.head - dense.final_norm
     return ParamCounts(
-        per_layer=_numel(shapes["layer"]),
+        per_layer=-(-layers // m.num_hidden_layers),
         per_layer_norms=dense.per_layer_norms,
         embedding=dense.embedding,
         head=dense.head,
         final_norm=dense.final_norm,
         num_layers=m.num_hidden_layers,
+        inactive=counts.total - counts.active,
     )

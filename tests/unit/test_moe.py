@@ -14,9 +14,13 @@ from models.moe import dispatch
 from models.moe.config import moe_layers
 from models.moe.formulas import moe_counts
 from models.moe.router import load_balancing_loss, route
+from parallel.cost_model import Hardware, step_cost
 from parallel.expert_parallel import regroup_order
-from parallel.job import ConfigError, ModelConfig, loads
-from parallel.layout import resolve
+from parallel.job import ConfigError, ModelConfig, load, loads
+from parallel.layout import Layout, resolve
+from parallel.layout_search import SearchSpace, World, search_layout
+from parallel.memory_model import rank_memory
+from tests.conftest import REPO
 
 pytestmark = pytest.mark.unit
 
@@ -224,9 +228,6 @@ def test_ep_is_a_factor_of_dp():
 
 
 def test_tiny_moe_example_is_valid():
-    from tests.conftest import REPO
-    from parallel.job import load
-
     cfg = load(REPO / "examples" / "tiny_moe.toml")
     assert cfg.model.family == "moe" and moe_layers(cfg.model) == [1, 2, 3]
     for ep in (1, 2, 4, 8):
@@ -256,3 +257,41 @@ def test_counts_match_the_built_module():
     assert counts.experts == sum(p.numel() for n, p in model.named_parameters() if ".experts." in n)
     per_expert = 3 * cfg.hidden_size * cfg.moe_intermediate_size
     assert counts.active == counts.total - len(moe_layers(cfg)) * 2 * per_expert
+
+
+def test_ep_divides_the_routed_experts_memory_over_ep_and_their_zero_shards_over_edp():
+    cfg = loads(MOE_JOB, ["model.hidden_size=64", "model.num_experts=8"]).model
+    routed = 3 * 8 * cfg.hidden_size * cfg.intermediate_size * len(moe_layers(cfg))
+    at = {ep: rank_memory(cfg, Layout(dp=8, ep=ep, zero=3), 128, 0).params // 4
+          for ep in (1, 2, 8)}
+    others = at[1] - routed // 8  # ZeRO-3 over dp 8: every tensor 1/8 (all divide evenly)
+    for ep in (2, 8):
+        # Experts: 1/ep of them, sharded again over dp/ep: still 1/8 of the routed total.
+        assert at[ep] == others + routed // 8
+    z1 = {ep: rank_memory(cfg, Layout(dp=8, ep=ep, zero=1), 128, 0) for ep in (1, 4)}
+    # ZeRO-1 keeps parameters whole: ep 4 holds a quarter of the experts.
+    assert z1[1].params - z1[4].params == 4 * (routed - routed // 4)
+    assert z1[1].optimizer == z1[4].optimizer
+
+
+def test_flops_follow_active_parameters_and_ep_adds_all_to_all():
+    dense = loads(MOE_JOB, ["model.family=\"llama\"", "model.num_experts=0"]).model
+    moe = loads(MOE_JOB, ["model.num_experts_per_tok=1", "model.moe_intermediate_size=384",
+                          "model.router_aux_loss_coef=0"]).model
+    # Top-1 of experts as wide as the dense MLP: the same matmul FLOPs, plus the router's.
+    d = step_cost(dense, Layout(dp=2), 128, 16, 8, Hardware())
+    m1 = step_cost(moe, Layout(dp=2), 128, 16, 8, Hardware())
+    m2 = step_cost(moe, Layout(dp=2, ep=2), 128, 16, 8, Hardware())
+    router = 6 * 8 * moe.hidden_size * moe.num_hidden_layers * 16 * 128 / 2
+    assert m1.useful_s * Hardware().flops_per_s("fp32") == pytest.approx(
+        d.useful_s * Hardware().flops_per_s("fp32") + router)
+    assert m1.comm.ep == 0 and m2.comm.ep > 0 and m2.step_s > m1.step_s
+
+
+def test_the_layout_search_lists_ep():
+    job = load(REPO / "examples" / "tiny_moe.toml")
+    result = search_layout(job, World(2, 4), 80 * 10**9,
+                           SearchSpace.from_job(job, ("ep",)))
+    eps = sorted({c.choice.ep for c in result.valid})
+    assert eps == [1, 2, 4, 8]
+    assert "ep4" in next(c for c in result.valid if c.choice.ep == 4).choice.describe()
