@@ -5,6 +5,7 @@ ZeRO stage; final parameters (experts included) from the DCP checkpoint where on
 from __future__ import annotations
 
 import re
+import shutil
 
 import pytest
 
@@ -98,3 +99,31 @@ def test_balancing_loss_moves_the_losses(tmp_path_factory, token_file, moe_refer
     ref_losses, _ = moe_reference
     # 2 MoE layers x 0.05 x a per-layer loss of about 1 (1 when balanced).
     assert 0.05 < ref_losses[1] - losses[1] < 0.5
+
+
+@pytest.fixture(scope="module")
+def ep2_first_half(moe_job, tmp_path_factory):
+    """Steps 1-3 at ep 2 (ZeRO-3), checkpointed at step 3."""
+    ckpt = tmp_path_factory.mktemp("ep2ckpt") / "ckpt"
+    result = run_trainer(moe_job, 2, "--steps", "3", "--set", "parallel.ep=2",
+                         "--checkpoint-dir", str(ckpt), "--checkpoint-every", "3")
+    assert result.returncode == 0, result.stderr[-3000:]
+    return ckpt
+
+
+@pytest.mark.parametrize(("world", "ep", "zero"), [(4, 4, 1), (2, 1, 2)],
+                         ids=["ep4-zero1", "ep1-dp2-zero2"])
+def test_resume_across_a_change_of_ep(world, ep, zero, moe_job, moe_reference, ep2_first_half,
+                                      tmp_path):
+    """DCP reshards the (E, ., .) expert tensors and their Adam moments from ep 2 to another
+    ep (and ZeRO stage); steps 4-6 continue the single-process curve."""
+    ref_losses, _ = moe_reference
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(ep2_first_half / "step_00000003", ckpt / "step_00000003")
+    result = run_trainer(moe_job, world, "--steps", str(STEPS), "--resume",
+                         "--set", f"parallel.ep={ep}", "--set", f"parallel.zero={zero}",
+                         "--checkpoint-dir", str(ckpt), "--checkpoint-every", str(STEPS))
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert sorted(result.steps) == [4, 5, 6]
+    for step, rec in result.steps.items():
+        assert rec["loss"] == pytest.approx(ref_losses[step], rel=RTOL), f"step {step}"
