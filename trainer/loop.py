@@ -181,7 +181,8 @@ class Trainer:
             else None
         )
         self.pipeline = (
-            Pipeline(parts, layout, self.pp_group, device, self._micro_batch_loss)
+            Pipeline(parts, layout, self.pp_group, device, self._micro_batch_loss,
+                     self.router_aux.select if self.router_aux is not None else None)
             if self.pp_group is not None
             else None
         )
@@ -404,10 +405,16 @@ class Trainer:
         """The step's micro-batches through the schedule, as one batch it splits back in order."""
         inputs = torch.cat([mb.inputs for mb in batches]).to(self.device)
         targets = torch.cat([mb.targets for mb in batches]).to(self.device)
+        if self.router_aux is not None:
+            # The whole step's weights; each stage forward selects its micro-batch's rows.
+            self.router_aux.begin(self._aux_weights(targets), rows=self.layout.micro_batch)
         # The schedule runs the loss and its backward inside step(): one context around both.
         with vocab_parallel_loss(self.layout.tp), compute_context(self.layout, self.device):
             loss_sum, timing = self.pipeline.step(inputs, targets)
         loss_sum = local_loss(loss_sum)
+        if self.router_aux is not None:
+            # This rank's stages' share; summed with the others' over pp (and dp) by the caller.
+            loss_sum = loss_sum + self.router_aux.end().to(loss_sum.device)
         ratios = torch.zeros(self.layout.pp, dtype=torch.float64)
         ratios[dist.get_rank(self.pp_group)] = timing.bubble
         dist.all_reduce(ratios, group=self.pp_group)

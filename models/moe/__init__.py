@@ -30,11 +30,6 @@ def _tensor_parallel(model: nn.Module, layout: Layout, tp_mesh: DeviceMesh) -> N
     raise ValueError("model.family \"moe\" has no tensor-parallel plan yet (parallel.tp must be 1)")
 
 
-def _split_stages(model: nn.Module, stages: list[tuple[int, range]], n_stages: int
-                  ) -> list[nn.Module]:
-    raise ValueError("model.family \"moe\" has no pipeline split yet (parallel.pp must be 1)")
-
-
 def _no_hf(*_args: object) -> Any:
     from parallel.job import ConfigError
 
@@ -48,7 +43,7 @@ SPEC = ModelSpec(
     build=_build,
     init_weights=LLAMA.init_weights,
     tensor_parallel=_tensor_parallel,
-    split_stages=_split_stages,
+    split_stages=LLAMA.split_stages,  # a stage is a run of layers, dense or MoE alike
     param_counts=formulas.param_counts,
     param_shapes=formulas.param_shapes,
     attention_flops_per_token=llama_formulas.attention_flops_per_token,

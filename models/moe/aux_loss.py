@@ -2,6 +2,10 @@
 
 The trainer opens each training micro-batch with `begin(row_weights)`, one weight per sequence
 of the micro-batch: router_aux_loss_coef / global_batch for a sample, 0 for a padding slot.
+Under pipeline parallelism it opens the whole step once, with the weights of all its
+micro-batches in order and `rows` per micro-batch, and the pipeline `select`s micro-batch i
+before each stage forward of it; a forward outside any selection (torch's shape inference on a
+pipeline's first step, whose output is discarded) adds nothing.
 Every MoE layer then adds coef · mean-over-the-step's-sequences of its per-sequence loss
 (models.moe.router), so the step's auxiliary loss is the sum over MoE layers of that mean,
 whatever dp, ep and the micro-batch size. Its gradient enters through the layer's output (an
@@ -40,20 +44,35 @@ class RouterAuxLoss:
     def __init__(self) -> None:
         self.row_weights: torch.Tensor | None = None
         self.total = torch.zeros((), device="cpu")  # built under torch.device("meta")
+        self.rows = 0  # rows per micro-batch; 0: all of row_weights
+        self.micro_batch: int | None = None
 
-    def begin(self, row_weights: torch.Tensor) -> None:
+    def begin(self, row_weights: torch.Tensor, rows: int = 0) -> None:
         self.row_weights = row_weights.float()
         self.total = torch.zeros((), device=row_weights.device)
+        self.rows = rows
+        self.micro_batch = None if rows else 0
+
+    def select(self, micro_batch: int) -> None:
+        """The micro-batch (of a step opened with `rows`) the next forwards run."""
+        self.micro_batch = micro_batch
 
     def end(self) -> torch.Tensor:
         """The micro-batch's auxiliary loss (detached), summed over layers."""
         self.row_weights = None
         return self.total
 
-    def attach(self, out: torch.Tensor, probs: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+    def attach(self, out: torch.Tensor, probs: torch.Tensor, experts: torch.Tensor
+               ) -> torch.Tensor:
         """`out` of a layer whose routing gave probs (b, s, E) and experts (b, s, k)."""
-        if self.row_weights is None or not torch.is_grad_enabled():
+        if self.row_weights is None or self.micro_batch is None or not torch.is_grad_enabled():
             return out
-        loss = (load_balancing_loss(probs, experts) * self.row_weights).sum()
+        b = probs.shape[0]
+        start = self.micro_batch * self.rows
+        weights = self.row_weights[start:start + b] if self.rows else self.row_weights
+        if weights.shape[0] != b:
+            raise RuntimeError(f"balancing loss: micro-batch {self.micro_batch} has no weights "
+                               f"for its {b} rows ({self.row_weights.shape[0]} in the step)")
+        loss = (load_balancing_loss(probs, experts) * weights).sum()
         self.total = self.total + loss.detach()
         return _AddLossGradient.apply(out, loss)

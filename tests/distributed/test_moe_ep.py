@@ -144,3 +144,21 @@ def test_measured_state_memory_matches_the_model(zero, moe_job):
     predicted = rank_memory(cfg.model, resolve(cfg, 2), cfg.train.seq_len, pp_rank=0)
     for kind in ("params", "grads", "optimizer"):
         assert measured[kind] == getattr(predicted, kind), (kind, measured, predicted)
+
+
+def test_ep2_pp2_matches_single_process(moe_job, moe_reference, tmp_path):
+    """pp 2 x dp 2 (= ep 2), 1F1B over 3 micro-batches: one MoE layer per stage, each stage's
+    balancing loss entering through its own backward."""
+    ref_losses, ref_params = moe_reference
+    ckpt = tmp_path / "ckpt"
+    result = run_trainer(
+        moe_job, 4, "--steps", str(STEPS), "--set", "parallel.ep=2", "--set", "parallel.pp=2",
+        "--set", "parallel.zero=2",
+        "--checkpoint-dir", str(ckpt), "--checkpoint-every", str(STEPS),
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert re.search(r"'dp': 2, 'tp': 1, 'pp': 2, 'cp': 1, 'ep': 2", result.stderr)
+    for step, rec in result.steps.items():
+        assert rec["loss"] == pytest.approx(ref_losses[step], rel=RTOL), f"step {step}"
+    assert sorted(result.steps) == list(range(1, STEPS + 1))
+    assert_params_close(final_model_state(ckpt / f"step_{STEPS:08d}", tmp_path), ref_params, RTOL)

@@ -148,6 +148,31 @@ def test_aux_loss_is_counted_in_training_only_and_weighted_per_sequence():
     assert model.layers["0"].mlp.gate.weight.grad.abs().sum() > 0
 
 
+def test_one_begin_for_a_pipeline_step_equals_one_per_micro_batch():
+    """Under pp the trainer opens the whole step and the pipeline selects each micro-batch
+    before its forward: the total is that of opening each micro-batch on its own, and a forward
+    before any selection (torch's shape inference) adds nothing."""
+    model = _built(MOE)
+    batches = torch.randint(0, 32, (3, 2, 8), generator=torch.Generator().manual_seed(5))
+    weights = torch.tensor([1.0, 0.5, 0.25, 2.0, 0.0, 1.0])
+    per_micro_batch = torch.zeros(())
+    for m in range(3):
+        model.router_aux.begin(weights[2 * m:2 * m + 2])
+        model(batches[m])
+        per_micro_batch += model.router_aux.end()
+    model.router_aux.begin(weights, rows=2)
+    model(batches[0])  # shape inference
+    assert model.router_aux.total == 0
+    for m in (2, 0, 1):
+        model.router_aux.select(m)
+        model(batches[m])
+    torch.testing.assert_close(model.router_aux.end(), per_micro_batch)
+    model.router_aux.begin(weights, rows=2)
+    model.router_aux.select(3)
+    with pytest.raises(RuntimeError, match="no weights"):
+        model(batches[1])
+
+
 def test_aux_gradient_is_the_gradient_of_the_loss():
     cfg = dataclasses.replace(MOE, num_hidden_layers=1)
     tokens = torch.randint(0, 32, (2, 8), generator=torch.Generator().manual_seed(4))
@@ -206,7 +231,8 @@ def test_moe_config_errors_name_the_field(text, overrides, message):
         (["parallel.ep=3"], 6, "parallel.ep must divide model.num_experts"),
         (["parallel.ep=4"], 2, "parallel.ep must divide dp"),
         (["parallel.ep=2", "parallel.tp=2"], 4, "parallel.tp = 1"),
-        (["parallel.pp=2"], 2, "parallel.pp = 1"),
+        (["parallel.pp=2", "parallel.pp_schedule=\"zero_bubble\"", "parallel.zero=2"], 2,
+         "zero_bubble"),
         (["parallel.cp=2"], 2, "parallel.cp = 1"),
         (["parallel.recompute=\"full\""], 1, "recompute"),
         (["parallel.reproducible=true"], 1, "parallel.reproducible"),
