@@ -177,10 +177,12 @@ def check_experts(job: JobConfig, dp: int) -> None:
     if m.num_experts % p.ep:
         raise ConfigError(f"parallel.ep must divide model.num_experts (got ep {p.ep}, "
                           f"{m.num_experts} experts)")
-    for name in ("tp", "cp"):
-        if getattr(p, name) > 1:
-            raise ConfigError(f"model.family \"moe\" needs parallel.{name} = 1 for now "
-                              f"(got {getattr(p, name)}); see docs/moe.md")
+    if p.cp > 1:
+        raise ConfigError(f"model.family \"moe\" needs parallel.cp = 1 for now (got {p.cp}); "
+                          "see docs/moe.md")
+    if p.tp > 1 and p.sequence_parallel:
+        raise ConfigError("model.family \"moe\" does not support parallel.sequence_parallel "
+                          "yet (its MoE layers are replicated over tp); see docs/moe.md")
     if p.pp > 1 and p.pp_schedule == "zero_bubble":
         raise ConfigError("model.family \"moe\" does not support parallel.pp_schedule = "
                           "\"zero_bubble\" yet (its split backward is untested with routed experts)")

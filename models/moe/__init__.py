@@ -27,7 +27,9 @@ def _build(cfg: ModelConfig) -> nn.Module:
 
 
 def _tensor_parallel(model: nn.Module, layout: Layout, tp_mesh: DeviceMesh) -> None:
-    raise ValueError("model.family \"moe\" has no tensor-parallel plan yet (parallel.tp must be 1)")
+    from models.moe.sharding import apply_tensor_parallel
+
+    apply_tensor_parallel(model, layout, tp_mesh)
 
 
 def _no_hf(*_args: object) -> Any:

@@ -162,3 +162,23 @@ def test_ep2_pp2_matches_single_process(moe_job, moe_reference, tmp_path):
         assert rec["loss"] == pytest.approx(ref_losses[step], rel=RTOL), f"step {step}"
     assert sorted(result.steps) == list(range(1, STEPS + 1))
     assert_params_close(final_model_state(ckpt / f"step_{STEPS:08d}", tmp_path), ref_params, RTOL)
+
+
+@pytest.mark.parametrize("zero", [1, 3])
+def test_ep2_tp2_matches_single_process(zero, shared_job, shared_reference, tmp_path):
+    """tp 2 x dp 2 (= ep 2) with a shared expert and a dense first layer: attention and the
+    dense MLP split over tp, MoE layers (router and shared expert as replicated DTensors)
+    run whole on each tp rank."""
+    ref_losses, ref_params = shared_reference
+    ckpt = tmp_path / "ckpt"
+    result = run_trainer(
+        shared_job, 4, "--steps", str(STEPS), "--set", "parallel.ep=2", "--set", "parallel.tp=2",
+        "--set", f"parallel.zero={zero}",
+        "--checkpoint-dir", str(ckpt), "--checkpoint-every", str(STEPS),
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert re.search(r"'dp': 2, 'tp': 2, 'pp': 1, 'cp': 1, 'ep': 2", result.stderr)
+    assert sorted(result.steps) == list(range(1, STEPS + 1))
+    for step, rec in result.steps.items():
+        assert rec["loss"] == pytest.approx(ref_losses[step], rel=RTOL), f"step {step}"
+    assert_params_close(final_model_state(ckpt / f"step_{STEPS:08d}", tmp_path), ref_params, RTOL)

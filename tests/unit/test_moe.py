@@ -230,7 +230,7 @@ def test_moe_config_errors_name_the_field(text, overrides, message):
     [
         (["parallel.ep=3"], 6, "parallel.ep must divide model.num_experts"),
         (["parallel.ep=4"], 2, "parallel.ep must divide dp"),
-        (["parallel.ep=2", "parallel.tp=2"], 4, "parallel.tp = 1"),
+        (["parallel.tp=2", "parallel.sequence_parallel=true"], 2, "sequence_parallel"),
         (["parallel.pp=2", "parallel.pp_schedule=\"zero_bubble\"", "parallel.zero=2"], 2,
          "zero_bubble"),
         (["parallel.cp=2"], 2, "parallel.cp = 1"),
