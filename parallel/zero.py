@@ -42,6 +42,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.optim.adam import adam
 
+from models.moe.model import Experts
 from parallel.layout import Layout
 
 
@@ -65,8 +66,6 @@ def apply_zero(
     layers = getattr(model, "layers", {})
     for block in layers.values():
         if expert_mesh is not None:
-            from models.moe.model import Experts
-
             for experts in [m for m in block.modules() if isinstance(m, Experts)]:
                 fully_shard(experts, mesh=expert_mesh, reshard_after_forward=reshard,
                             mp_policy=mp_policy)

@@ -39,19 +39,31 @@ class _AddLossGradient(torch.autograd.Function):
 
 
 class RouterAuxLoss:
-    """One model's auxiliary loss of the current micro-batch (its layers share the object)."""
+    """One model's auxiliary loss of the current micro-batch (its layers share the object),
+    and the expert load of the step so far: routed copies per expert of each MoE layer, over
+    the sequences `begin` counts (samples, not padding), until `take_loads`."""
 
     def __init__(self) -> None:
         self.row_weights: torch.Tensor | None = None
+        self.counted: torch.Tensor | None = None
         self.total = torch.zeros((), device="cpu")  # built under torch.device("meta")
         self.rows = 0  # rows per micro-batch; 0: all of row_weights
         self.micro_batch: int | None = None
+        self.loads: dict[int, torch.Tensor] = {}  # MoE layer index -> copies per expert
 
-    def begin(self, row_weights: torch.Tensor, rows: int = 0) -> None:
+    def begin(self, row_weights: torch.Tensor, rows: int = 0,
+              counted: torch.Tensor | None = None) -> None:
+        """`counted` (bool per row; default: weight > 0): the rows whose routing counts
+        towards the expert load."""
         self.row_weights = row_weights.float()
+        self.counted = row_weights > 0 if counted is None else counted
         self.total = torch.zeros((), device=row_weights.device)
         self.rows = rows
         self.micro_batch = None if rows else 0
+
+    def take_loads(self) -> dict[int, torch.Tensor]:
+        loads, self.loads = self.loads, {}
+        return loads
 
     def select(self, micro_batch: int) -> None:
         """The micro-batch (of a step opened with `rows`) the next forwards run."""
@@ -62,17 +74,21 @@ class RouterAuxLoss:
         self.row_weights = None
         return self.total
 
-    def attach(self, out: torch.Tensor, probs: torch.Tensor, experts: torch.Tensor
-               ) -> torch.Tensor:
-        """`out` of a layer whose routing gave probs (b, s, E) and experts (b, s, k)."""
+    def attach(self, out: torch.Tensor, probs: torch.Tensor, experts: torch.Tensor,
+               layer: int) -> torch.Tensor:
+        """`out` of MoE layer `layer` whose routing gave probs (b, s, E) and experts (b, s, k)."""
         if self.row_weights is None or self.micro_batch is None or not torch.is_grad_enabled():
             return out
+        assert self.counted is not None
         b = probs.shape[0]
         start = self.micro_batch * self.rows
-        weights = self.row_weights[start:start + b] if self.rows else self.row_weights
+        rows = slice(start, start + b) if self.rows else slice(None)
+        weights, counted = self.row_weights[rows], self.counted[rows]
         if weights.shape[0] != b:
             raise RuntimeError(f"balancing loss: micro-batch {self.micro_batch} has no weights "
                                f"for its {b} rows ({self.row_weights.shape[0]} in the step)")
+        load = torch.bincount(experts[counted].reshape(-1), minlength=probs.shape[-1])
+        self.loads[layer] = self.loads[layer] + load if layer in self.loads else load
         loss = (load_balancing_loss(probs, experts) * weights).sum()
         self.total = self.total + loss.detach()
         return _AddLossGradient.apply(out, loss)

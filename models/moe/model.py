@@ -65,8 +65,9 @@ def run_local_experts(rows: torch.Tensor, counts: torch.Tensor, experts: Experts
 
 
 class MoE(nn.Module):
-    def __init__(self, cfg: ModelConfig, aux: RouterAuxLoss) -> None:
+    def __init__(self, cfg: ModelConfig, aux: RouterAuxLoss, layer: int) -> None:
         super().__init__()
+        self.layer = layer  # its decoder layer's index (the key of its expert load)
         self.num_experts, self.top_k, self.normalise = (
             cfg.num_experts, cfg.num_experts_per_tok, cfg.norm_topk_prob)
         self.gate = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=False)
@@ -89,7 +90,7 @@ class MoE(nn.Module):
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
         return self.aux.attach(out, routing.probs.view(b, s, -1),
-                               routing.experts.view(b, s, self.top_k))
+                               routing.experts.view(b, s, self.top_k), self.layer)
 
 
 class MoETransformer(Llama):
@@ -100,7 +101,7 @@ class MoETransformer(Llama):
         # Shared by the layers, set per micro-batch by the trainer (models.moe.aux_loss).
         self.router_aux = RouterAuxLoss()
         for i in moe_layers(cfg):
-            self.layers[str(i)].mlp = MoE(cfg, self.router_aux)
+            self.layers[str(i)].mlp = MoE(cfg, self.router_aux, i)
 
 
 def build_model(cfg: ModelConfig) -> MoETransformer:

@@ -14,7 +14,7 @@ from parallel.layout import resolve
 from parallel.memory_model import rank_memory
 from tests.compare import assert_params_close
 from tests.conftest import small_job_text
-from tests.distributed.reference import reference_run
+from tests.distributed.reference import reference_results
 from tests.launch import final_model_state, run_trainer
 
 pytestmark = pytest.mark.distributed
@@ -45,18 +45,38 @@ def shared_job(tmp_path_factory, token_file):
     return _job(tmp_path_factory, token_file, SHARED)
 
 
+def _reference(job):
+    results, params = reference_results(job, STEPS)
+    return {step: r.loss for step, r in results.items()}, params, results
+
+
 @pytest.fixture(scope="module")
 def moe_reference(moe_job):
-    return reference_run(moe_job, STEPS)
+    return _reference(moe_job)
 
 
 @pytest.fixture(scope="module")
 def shared_reference(shared_job):
-    return reference_run(shared_job, STEPS)
+    return _reference(shared_job)
+
+
+def _assert_steps(steps: dict[int, dict], reference, first: int = 1) -> None:
+    """Every step's loss, balancing loss and expert load against the single process."""
+    ref_losses, _, ref_results = reference
+    assert sorted(steps) == list(range(first, STEPS + 1))
+    for step, rec in steps.items():
+        ref = ref_results[step]
+        assert rec["loss"] == pytest.approx(ref_losses[step], rel=RTOL), f"step {step}"
+        assert rec["aux_loss"] == pytest.approx(ref.aux_loss, rel=RTOL), f"step {step}"
+        # 10 samples x 32 tokens x top-2 per MoE layer, padding slots not counted.
+        assert [sum(row) for row in rec["expert_load"]] == [640] * len(ref.expert_load)
+        # Identical weights at step 1: routing, a function of the token only, is identical.
+        if step == 1:
+            assert rec["expert_load"] == [list(row) for row in ref.expert_load]
 
 
 def _check(job, world: int, ep: int, zero: int, reference, tmp_path) -> None:
-    ref_losses, ref_params = reference
+    _, ref_params, _ = reference
     ckpt = tmp_path / "ckpt"
     result = run_trainer(
         job, world, "--steps", str(STEPS), "--set", f"parallel.ep={ep}",
@@ -65,9 +85,7 @@ def _check(job, world: int, ep: int, zero: int, reference, tmp_path) -> None:
     )
     assert result.returncode == 0, result.stderr[-3000:]
     assert re.search(rf"'dp': {world}, .*'ep': {ep}, 'zero': {zero}", result.stderr)
-    assert sorted(result.steps) == list(range(1, STEPS + 1))
-    for step, rec in result.steps.items():
-        assert rec["loss"] == pytest.approx(ref_losses[step], rel=RTOL), f"step {step}"
+    _assert_steps(result.steps, reference)
     state = final_model_state(ckpt / f"step_{STEPS:08d}", tmp_path)
     assert any(".experts." in name for name in state)
     assert_params_close(state, ref_params, RTOL)
@@ -98,8 +116,12 @@ def test_balancing_loss_moves_the_losses(tmp_path_factory, token_file, moe_refer
     """The parity above is not vacuous: the balancing loss is part of the reported objective
     and of the gradient (a different weight changes step 1's loss and later ones)."""
     other = _job(tmp_path_factory, token_file, MOE | {"router_aux_loss_coef": 0.0})
-    losses, _ = reference_run(other, 2)
-    ref_losses, _ = moe_reference
+    results, _ = reference_results(other, 2)
+    assert results[1].aux_loss == 0
+    losses = {step: r.loss for step, r in results.items()}
+    ref_losses, _, ref_results = moe_reference
+    # Step 1 starts from the same weights: the losses differ by the balancing loss alone.
+    assert ref_losses[1] - losses[1] == pytest.approx(ref_results[1].aux_loss, rel=1e-4)
     # 2 MoE layers x 0.05 x a per-layer loss of about 1 (1 when balanced).
     assert 0.05 < ref_losses[1] - losses[1] < 0.5
 
@@ -120,16 +142,13 @@ def test_resume_across_a_change_of_ep(world, ep, zero, moe_job, moe_reference, e
                                       tmp_path):
     """DCP reshards the (E, ., .) expert tensors and their Adam moments from ep 2 to another
     ep (and ZeRO stage); steps 4-6 continue the single-process curve."""
-    ref_losses, _ = moe_reference
     ckpt = tmp_path / "ckpt"
     shutil.copytree(ep2_first_half / "step_00000003", ckpt / "step_00000003")
     result = run_trainer(moe_job, world, "--steps", str(STEPS), "--resume",
                          "--set", f"parallel.ep={ep}", "--set", f"parallel.zero={zero}",
                          "--checkpoint-dir", str(ckpt), "--checkpoint-every", str(STEPS))
     assert result.returncode == 0, result.stderr[-3000:]
-    assert sorted(result.steps) == [4, 5, 6]
-    for step, rec in result.steps.items():
-        assert rec["loss"] == pytest.approx(ref_losses[step], rel=RTOL), f"step {step}"
+    _assert_steps(result.steps, moe_reference, first=4)
 
 
 @pytest.mark.parametrize("zero", [1, 3])
@@ -149,7 +168,7 @@ def test_measured_state_memory_matches_the_model(zero, moe_job):
 def test_ep2_pp2_matches_single_process(moe_job, moe_reference, tmp_path):
     """pp 2 x dp 2 (= ep 2), 1F1B over 3 micro-batches: one MoE layer per stage, each stage's
     balancing loss entering through its own backward."""
-    ref_losses, ref_params = moe_reference
+    _, ref_params, _ = moe_reference
     ckpt = tmp_path / "ckpt"
     result = run_trainer(
         moe_job, 4, "--steps", str(STEPS), "--set", "parallel.ep=2", "--set", "parallel.pp=2",
@@ -158,9 +177,7 @@ def test_ep2_pp2_matches_single_process(moe_job, moe_reference, tmp_path):
     )
     assert result.returncode == 0, result.stderr[-3000:]
     assert re.search(r"'dp': 2, 'tp': 1, 'pp': 2, 'cp': 1, 'ep': 2", result.stderr)
-    for step, rec in result.steps.items():
-        assert rec["loss"] == pytest.approx(ref_losses[step], rel=RTOL), f"step {step}"
-    assert sorted(result.steps) == list(range(1, STEPS + 1))
+    _assert_steps(result.steps, moe_reference)
     assert_params_close(final_model_state(ckpt / f"step_{STEPS:08d}", tmp_path), ref_params, RTOL)
 
 
@@ -169,7 +186,7 @@ def test_ep2_tp2_matches_single_process(zero, shared_job, shared_reference, tmp_
     """tp 2 x dp 2 (= ep 2) with a shared expert and a dense first layer: attention and the
     dense MLP split over tp, MoE layers (router and shared expert as replicated DTensors)
     run whole on each tp rank."""
-    ref_losses, ref_params = shared_reference
+    _, ref_params, _ = shared_reference
     ckpt = tmp_path / "ckpt"
     result = run_trainer(
         shared_job, 4, "--steps", str(STEPS), "--set", "parallel.ep=2", "--set", "parallel.tp=2",
@@ -178,7 +195,5 @@ def test_ep2_tp2_matches_single_process(zero, shared_job, shared_reference, tmp_
     )
     assert result.returncode == 0, result.stderr[-3000:]
     assert re.search(r"'dp': 2, 'tp': 2, 'pp': 1, 'cp': 1, 'ep': 2", result.stderr)
-    assert sorted(result.steps) == list(range(1, STEPS + 1))
-    for step, rec in result.steps.items():
-        assert rec["loss"] == pytest.approx(ref_losses[step], rel=RTOL), f"step {step}"
+    _assert_steps(result.steps, shared_reference)
     assert_params_close(final_model_state(ckpt / f"step_{STEPS:08d}", tmp_path), ref_params, RTOL)

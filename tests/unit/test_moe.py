@@ -144,6 +144,12 @@ def test_aux_loss_is_counted_in_training_only_and_weighted_per_sequence():
     model(tokens)
     torch.testing.assert_close(model.router_aux.end(), first_only + second_only)
     assert first_only > 0 and moe_layers(MOE) == [0, 1, 2, 3]
+    # Expert load: the counted rows' copies per expert of each layer, over the whole step
+    # (three forwards of 1, 1 and 2 counted sequences of 8 tokens, top-2).
+    loads = model.router_aux.take_loads()
+    assert sorted(loads) == [0, 1, 2, 3]
+    assert all(int(load.sum()) == (1 + 1 + 2) * 8 * 2 for load in loads.values())
+    assert model.router_aux.take_loads() == {}
     # The loss's gradient reaches the router.
     assert model.layers["0"].mlp.gate.weight.grad.abs().sum() > 0
 
