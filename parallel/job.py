@@ -160,6 +160,7 @@ class ParallelConfig:
 # What a layout search may choose besides dp (parallel.layout_search).
 REPLAN_DIMS = (
     "tp", "pp", "cp", "zero", "sequence_parallel", "pp_schedule", "recompute", "micro_batch",
+    "ep",
 )
 
 

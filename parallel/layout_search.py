@@ -22,9 +22,7 @@ from parallel.job import REPLAN_DIMS, ConfigError, JobConfig, ParallelConfig
 from parallel.layout import RECOMPUTE, Layout, resolve
 from parallel.memory_model import MemoryBreakdown, peak_memory
 
-# ep is searched (`ultractl plan --free ep`) but not yet re-planned on a failure: resuming
-# across a change of ep is not tested (docs/moe.md).
-SEARCH_DIMS = (*REPLAN_DIMS, "ep")
+SEARCH_DIMS = REPLAN_DIMS
 
 
 @dataclass(frozen=True)
@@ -66,7 +64,6 @@ class SearchSpace:
     recompute: tuple[str, ...] = RECOMPUTE
     micro_batch: tuple[int, ...] | None = None  # None: powers of two up to the samples per dp rank
     # None: for the moe family every ep dividing both dp and num_experts; 1 for dense models.
-    # Not a re-plan dimension yet (docs/moe.md): `fixed` keeps the job's.
     ep: tuple[int, ...] | None = None
 
     @classmethod

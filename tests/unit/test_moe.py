@@ -20,6 +20,7 @@ from parallel.job import ConfigError, ModelConfig, load, loads
 from parallel.layout import Layout, resolve
 from parallel.layout_search import SearchSpace, World, search_layout
 from parallel.memory_model import rank_memory
+from parallel.planner import NodeInfo, PlanError, plan_generation
 from tests.conftest import REPO
 
 pytestmark = pytest.mark.unit
@@ -327,3 +328,17 @@ def test_the_layout_search_lists_ep():
     eps = sorted({c.choice.ep for c in result.valid})
     assert eps == [1, 2, 4, 8]
     assert "ep4" in next(c for c in result.valid if c.choice.ep == 4).choice.describe()
+
+
+def test_a_node_failure_replans_ep_when_the_survivors_cannot_keep_it():
+    """ep 4 on 4 one-device nodes; 3 survive. dp 3 cannot hold ep 4: without parallel.replan
+    the job waits, with replan = ["ep"] it runs on all 3 at an ep dividing 3 and 8 experts."""
+    job = loads(MOE_JOB, ["parallel.ep=4", "train.global_batch=12"])
+    four = [NodeInfo(n, 1) for n in "abcd"]
+    assert plan_generation(job, four, 1, ("h", 1)).layout.ep == 4
+    with pytest.raises(PlanError, match="parallel.ep must divide dp"):
+        plan_generation(job, four[:3], 2, ("h", 1))
+    elastic = loads(MOE_JOB, ["parallel.ep=4", "train.global_batch=12", 'parallel.replan=["ep"]'])
+    plan = plan_generation(elastic, four[:3], 2, ("h", 1))
+    assert (plan.layout.dp, plan.layout.ep, len(plan.ranks)) == (3, 1, 3)
+    assert "re-planned to" in plan.layout_reason and "ep must divide dp" in plan.layout_reason
