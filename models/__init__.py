@@ -5,11 +5,12 @@ from __future__ import annotations
 from types import MappingProxyType
 
 from models.llama import SPEC as LLAMA
+from models.moe import SPEC as MOE
 from models.spec import HFAdapter, ModelSpec, ParamCounts, ParamShape
 
 __all__ = ["SPECS", "HFAdapter", "ModelSpec", "ParamCounts", "ParamShape", "get_spec", "spec_of"]
 
-SPECS = MappingProxyType({spec.name: spec for spec in (LLAMA,)})
+SPECS = MappingProxyType({spec.name: spec for spec in (LLAMA, MOE)})
 
 
 def get_spec(family: str) -> ModelSpec:

@@ -29,12 +29,19 @@ if TYPE_CHECKING:
 class ParamCounts:
     """Parameters of a model, by where they live."""
 
-    per_layer: int  # one decoder layer, its norms included
+    per_layer: int  # one decoder layer, its norms included (unequal layers: the mean, rounded up)
     per_layer_norms: int  # the part of `per_layer` that TP replicates instead of sharding
     embedding: int
     head: int  # 0 when tied to the embedding
     final_norm: int
     num_layers: int
+    # Parameters a token does not use: the routed experts beyond its top-k (0 for dense
+    # models). Compute follows total - inactive; memory the total.
+    inactive: int = 0
+
+    @property
+    def active(self) -> int:
+        return self.total - self.inactive
 
     @property
     def total(self) -> int:
@@ -46,11 +53,14 @@ class ParamShape:
     """One parameter tensor and the dim tensor parallelism splits (None: replicated).
 
     `whole_grad`: the gradient comes out of autograd replicated over tp (the whole tensor),
-    however the weight is split (a vocabulary-parallel embedding's)."""
+    however the weight is split (a vocabulary-parallel embedding's).
+    `ep_dim`: the dim expert parallelism splits over ep (a routed-expert tensor's expert dim);
+    such a tensor's ZeRO group is dp / ep instead of dp."""
 
     shape: tuple[int, ...]
     tp_dim: int | None
     whole_grad: bool = False
+    ep_dim: int | None = None
 
 
 @dataclass(frozen=True)

@@ -14,6 +14,7 @@ import math
 from dataclasses import dataclass
 
 from models import get_spec
+from models.moe.config import moe_layers
 from parallel.job import ModelConfig
 from parallel.layout import Layout, predicted_bubble
 from parallel.memory_model import DTYPE_BYTES, param_counts
@@ -45,10 +46,11 @@ class CommVolume:
     tp: float = 0.0
     pp: float = 0.0
     cp: float = 0.0
+    ep: float = 0.0  # expert parallelism's all-to-all (token copies out and back)
 
     @property
     def total(self) -> float:
-        return self.dp + self.tp + self.pp + self.cp
+        return self.dp + self.tp + self.pp + self.cp + self.ep
 
 
 @dataclass(frozen=True)
@@ -75,10 +77,15 @@ class StepCost:
         return self.useful_s / self.step_s
 
 
+def _moe_layer_count(model: ModelConfig) -> int:
+    return len(moe_layers(model)) if model.family == "moe" else 0
+
+
 def _matmul_params(model: ModelConfig) -> tuple[int, int]:
-    """(matmul parameters of all decoder layers, of the LM head); lookups cost no FLOPs."""
+    """(matmul parameters of all decoder layers a token uses, of the LM head); lookups cost no
+    FLOPs, routed experts outside a token's top-k (`ParamCounts.inactive`) neither."""
     counts = param_counts(model)
-    layers = (counts.per_layer - counts.per_layer_norms) * counts.num_layers
+    layers = (counts.per_layer - counts.per_layer_norms) * counts.num_layers - counts.inactive
     return layers, model.vocab_size * model.hidden_size
 
 
@@ -197,6 +204,20 @@ def cp_comm_bytes(
     return 6.0 * (cp - 1) * tokens * kv_dim * act_bytes * layers * micro_batches
 
 
+def ep_comm_bytes(
+    tokens: int, hidden: int, top_k: int, ep: int, moe_layers: int, micro_batches: int,
+    act_bytes: int,
+) -> float:
+    """Expert parallelism (parallel/expert_parallel.py): each MoE layer's forward sends the
+    rank's tokens·k routed copies of h values to their experts' ranks and gets the outputs back,
+    a share (ep - 1)/ep of them leaving the rank when routing is balanced; backward does the same
+    with gradients: 4 all-to-alls of that size per MoE layer. (The per-expert counts, E int64
+    values, are negligible.)"""
+    if ep == 1:
+        return 0.0
+    return 4.0 * (ep - 1) / ep * tokens * top_k * hidden * act_bytes * moe_layers * micro_batches
+
+
 def step_cost(
     model: ModelConfig, layout: Layout, seq_len: int, global_batch: int, devices_per_node: int,
     hardware: Hardware | None = None,
@@ -236,6 +257,8 @@ def step_cost(
         pp=pp_comm_bytes(tokens, model.hidden_size, layout.pp, m, layout.virtual_stages, act,
                          sp_share),
         cp=cp_comm_bytes(tokens, kv_dim, layout.cp, layers, m, act),
+        ep=ep_comm_bytes(tokens, model.hidden_size, model.num_experts_per_tok, layout.ep,
+                         _moe_layer_count(model) // layout.pp, m, act),
     )
 
     def bandwidth(span: int) -> float:
@@ -248,13 +271,14 @@ def step_cost(
     cp_s = comm.cp / bandwidth(layout.cp * layout.tp)
     pp_s = comm.pp / bandwidth(layout.world_size)
     dp_s = comm.dp / bandwidth(layout.dp * layout.cp * layout.tp)
-    busy = compute_s + recompute_s + tp_s + cp_s + pp_s
+    ep_s = comm.ep / bandwidth(layout.ep * layout.cp * layout.tp)  # ep is innermost in dp
+    busy = compute_s + recompute_s + tp_s + cp_s + pp_s + ep_s
     bubble_s = bubble_ratio(layout.pp, m, layout.virtual_stages) * busy
     overlap = compute_s * (2 / 3 if layout.zero <= 1 else 1.0) + recompute_s
     exposed_dp = max(0.0, dp_s - overlap)
     step_s = busy + bubble_s + exposed_dp
     return StepCost(
         useful_s=useful_s, compute_s=compute_s, recompute_s=recompute_s, comm=comm,
-        exposed_comm_s=tp_s + cp_s + pp_s + exposed_dp, bubble_s=bubble_s, step_s=step_s,
+        exposed_comm_s=tp_s + cp_s + pp_s + ep_s + exposed_dp, bubble_s=bubble_s, step_s=step_s,
         bubble_ratio=predicted_bubble(layout),
     )

@@ -65,6 +65,15 @@ class ModelConfig:
     mlp_bias: bool = False
     tie_word_embeddings: bool = False
     initializer_range: float = 0.02
+    # Mixture of experts (family "moe", models/moe; docs/moe.md). 0 experts: every MLP dense.
+    num_experts: int = 0  # routed experts per MoE layer (Mixtral's num_local_experts)
+    num_experts_per_tok: int = 2  # top-k
+    moe_intermediate_size: int = 0  # one expert's MLP width; 0: intermediate_size
+    num_shared_experts: int = 0  # experts every token passes through (DeepSeek's n_shared_experts)
+    first_k_dense_replace: int = 0  # the first k layers keep a dense MLP (DeepSeek's name)
+    moe_layer_freq: int = 1  # of the others, layer i is MoE when i % moe_layer_freq == 0
+    norm_topk_prob: bool = True  # renormalise the top-k routing weights to sum to 1
+    router_aux_loss_coef: float = 0.001  # weight of the load-balancing loss (0: off)
 
     def __post_init__(self) -> None:
         if self.head_dim == 0 and self.num_attention_heads > 0:
@@ -126,6 +135,9 @@ class ParallelConfig:
     tp: int = 1
     pp: int = 1
     cp: int = 1
+    # Expert parallelism (parallel.expert_parallel): experts sharded over ep ranks taken from
+    # dp, so ep must divide dp (docs/moe.md).
+    ep: int = 1
     zero: Literal[1, 2, 3] = 3
     sequence_parallel: bool = False
     pp_schedule: Literal["gpipe", "1f1b", "interleaved_1f1b", "zero_bubble"] = "1f1b"
@@ -148,6 +160,7 @@ class ParallelConfig:
 # What a layout search may choose besides dp (parallel.layout_search).
 REPLAN_DIMS = (
     "tp", "pp", "cp", "zero", "sequence_parallel", "pp_schedule", "recompute", "micro_batch",
+    "ep",
 )
 
 
@@ -262,12 +275,17 @@ MAX: dict[str, int | float] = {
     "model.num_key_value_heads": 2**12, "model.vocab_size": 2**22,
     "model.max_position_embeddings": 2**24, "model.rope_theta": 1e12, "model.rms_norm_eps": 1.0,
     "model.initializer_range": 1.0, "model.head_dim": 2**12,
+    "model.num_experts": 2**12, "model.num_experts_per_tok": 2**12,
+    "model.moe_intermediate_size": 2**19, "model.num_shared_experts": 2**12,
+    "model.first_k_dense_replace": 2**12, "model.moe_layer_freq": 2**12,
+    "model.router_aux_loss_coef": 1e3,
     "train.steps": MAX_STEPS, "train.global_batch": 2**24, "train.seq_len": 2**24,
     "train.seed": 2**63 - 1, "train.lr": 10.0, "train.min_lr": 10.0,
     "train.warmup_steps": MAX_STEPS, "train.weight_decay": 10.0, "train.beta1": 1.0,
     "train.beta2": 1.0, "train.eps": 1.0, "train.grad_clip": 1e9,
     "train.max_skipped_steps": MAX_STEPS,
     "parallel.dp": 2**16, "parallel.tp": 2**10, "parallel.pp": 2**10, "parallel.cp": 2**10,
+    "parallel.ep": 2**12,
     "parallel.virtual_stages": 2**10, "parallel.micro_batch": 2**24,
     "checkpoint.every": MAX_STEPS, "checkpoint.keep": 1000, "checkpoint.snapshot_every": MAX_STEPS,
     "fault.hang_floor_s": MAX_SECONDS, "fault.hang_step_factor": 1000.0,
@@ -397,7 +415,7 @@ def validate(cfg: JobConfig) -> None:
             raise ConfigError(f"train.{key} must be in [0, 1) (got {getattr(t, key)})")
     if p.dp != "auto":
         _positive("parallel.dp", p.dp)
-    for key in ("tp", "pp", "cp", "virtual_stages", "micro_batch"):
+    for key in ("tp", "pp", "cp", "ep", "virtual_stages", "micro_batch"):
         _positive(f"parallel.{key}", getattr(p, key))
     if p.micro_batch > t.global_batch:
         raise ConfigError(

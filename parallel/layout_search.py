@@ -63,6 +63,8 @@ class SearchSpace:
     schedules: tuple[tuple[str, int], ...] = (("1f1b", 1), ("interleaved_1f1b", 2))
     recompute: tuple[str, ...] = RECOMPUTE
     micro_batch: tuple[int, ...] | None = None  # None: powers of two up to the samples per dp rank
+    # None: for the moe family every ep dividing both dp and num_experts; 1 for dense models.
+    ep: tuple[int, ...] | None = None
 
     @classmethod
     def fixed(cls, job: JobConfig) -> SearchSpace:
@@ -72,7 +74,7 @@ class SearchSpace:
             tp=(p.tp,), pp=(p.pp,), cp=(p.cp,), zero=(p.zero,),
             sequence_parallel=(p.sequence_parallel,),
             schedules=((p.pp_schedule, p.virtual_stages),), recompute=(p.recompute,),
-            micro_batch=(p.micro_batch,),
+            micro_batch=(p.micro_batch,), ep=(p.ep,),
         )
 
     @classmethod
@@ -103,13 +105,14 @@ class Choice:
     virtual_stages: int
     recompute: str
     micro_batch: int
+    ep: int = 1
 
     @classmethod
     def of(cls, layout: Layout | ParallelConfig) -> Choice:
         """The point a layout (or a job's `[parallel]` section) sits at."""
         return cls(layout.tp, layout.pp, layout.cp, layout.zero, layout.sequence_parallel,
                    layout.pp_schedule, layout.virtual_stages, layout.recompute,
-                   layout.micro_batch)
+                   layout.micro_batch, layout.ep)
 
     def parallel(self, job: JobConfig) -> JobConfig:
         """`job` with this point's `[parallel]` values (dp, precision and padding kept)."""
@@ -117,12 +120,13 @@ class Choice:
             job.parallel, tp=self.tp, pp=self.pp, cp=self.cp, zero=self.zero,
             sequence_parallel=self.sequence_parallel, pp_schedule=self.pp_schedule,
             virtual_stages=self.virtual_stages, recompute=self.recompute,
-            micro_batch=self.micro_batch))
+            micro_batch=self.micro_batch, ep=self.ep))
 
     def describe(self) -> str:
         sp = " sp" if self.sequence_parallel else ""
         pipe = f" {self.pp_schedule} v{self.virtual_stages}" if self.pp > 1 else ""
-        return (f"tp{self.tp}{sp} pp{self.pp}{pipe} cp{self.cp} zero{self.zero} "
+        ep = f" ep{self.ep}" if self.ep > 1 else ""
+        return (f"tp{self.tp}{sp} pp{self.pp}{pipe} cp{self.cp}{ep} zero{self.zero} "
                 f"recompute={self.recompute} micro_batch={self.micro_batch}")
 
 
@@ -233,9 +237,11 @@ def _options(
     dp = max(1, world.devices // inner)
     per_rank = -(-job.train.global_batch // dp)
     mbs = _or(space.micro_batch, tuple(1 << k for k in range(per_rank.bit_length())))
+    experts = job.model.num_experts if job.model.family == "moe" else 1
+    eps = _or(space.ep, tuple(e for e in _divisors(dp) if experts % e == 0))
     return [
-        Choice(tp, pp, cp, zero, sp, sched, v, rc, mb)
-        for sp in sps for (sched, v) in schedules for mb in mbs
+        Choice(tp, pp, cp, zero, sp, sched, v, rc, mb, ep)
+        for ep in eps for sp in sps for (sched, v) in schedules for mb in mbs
         for zero in space.zero for rc in space.recompute
     ]
 
@@ -272,7 +278,7 @@ def _rank_key(c: Candidate) -> tuple[float | int | str | bool, ...]:
     assert c.prediction is not None
     ch = c.choice
     return (
-        -round(c.prediction.score, 9), ch.tp * ch.pp * ch.cp, ch.pp, ch.tp, ch.cp,
+        -round(c.prediction.score, 9), ch.tp * ch.pp * ch.cp, ch.pp, ch.tp, ch.cp, ch.ep,
         _RECOMPUTE_ORDER[ch.recompute], ch.zero, ch.virtual_stages, ch.pp_schedule,
         ch.sequence_parallel, ch.micro_batch,
     )

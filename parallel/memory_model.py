@@ -118,7 +118,7 @@ class ShardedCounts:
                              self.optimizer + other.optimizer, self.tensors + other.tensors)
 
 
-def sharded_counts(p: ParamShape, tp: int, zero: int, shards: int) -> ShardedCounts:
+def sharded_counts(p: ParamShape, tp: int, zero: int, shards: int, ep: int = 1) -> ShardedCounts:
     """Elements of one parameter's state on the first rank, as this code base shards them.
 
     TP splits `p.tp_dim` (tp > 1). ZeRO-2/3 are FSDP2 (`parallel/zero.py`), which shards dim 0
@@ -127,15 +127,21 @@ def sharded_counts(p: ParamShape, tp: int, zero: int, shards: int) -> ShardedCou
     rest). ZeRO-1 keeps the TP-local parameter and gradient whole, and its optimizer state on a
     slice of the first dim TP leaves whole (dim 0 when tp = 1); the gradient is whole as
     autograd made it (`ParamShape.whole_grad`) until ZeRO-1's reduce-scatter.
+    Expert parallelism (ep > 1) splits `p.ep_dim` of a routed-expert tensor over ep; ZeRO then
+    shards it over the shards / ep ranks holding the same experts (`parallel/expert_parallel.py`).
     """
     local = list(p.shape)
     if tp > 1 and p.tp_dim is not None:
         local[p.tp_dim] = _chunk(local[p.tp_dim], tp)
+    split: int | None = p.tp_dim if tp > 1 else None
+    if ep > 1 and p.ep_dim is not None:
+        local[p.ep_dim] = _chunk(local[p.ep_dim], ep)
+        shards, split = shards // ep, p.ep_dim
     whole = math.prod(local)
     if zero >= 2:
         shard = _chunk(local[0], shards) * whole // local[0]
         return ShardedCounts(shard, shard, shard, 1)
-    dim = next(d for d in range(len(local)) if tp == 1 or d != p.tp_dim)
+    dim = next(d for d in range(len(local)) if d != split)
     piece = _chunk(local[dim], shards) * whole // local[dim]
     grad = math.prod(p.shape) if p.whole_grad and tp > 1 else whole
     return ShardedCounts(whole, grad, piece if zero == 1 else whole, 1)
@@ -296,7 +302,8 @@ def rank_memory(
         held += shapes["embedding"]
     if last_stage in stages:
         held += [*shapes["final_norm"], *shapes["head"]]
-    counts = sum((sharded_counts(p, tp, layout.zero, layout.dp * layout.cp) for p in held),
+    counts = sum((sharded_counts(p, tp, layout.zero, layout.dp * layout.cp, layout.ep)
+                  for p in held),
                  ShardedCounts())
     accum = layout.mixed_precision == "bf16" if fp32_grad_accum is None else fp32_grad_accum
     state = state_bytes_per_param(layout.mixed_precision, accum)

@@ -8,6 +8,11 @@ read the same samples, each a share of every sequence (parallel.context_parallel
 and FSDP2 they are data-parallel ranks like the dp ones. With cp > 1 that group is a flattened
 "dp_cp" dim of the mesh; `data_mesh` returns it (the plain dp dim at cp 1).
 
+Expert parallelism (parallel.expert_parallel) splits dp in two, dp = edp x ep with ep inner:
+the mesh is then built on (pp, edp, ep, cp, tp) and "dp" is the flattened (edp, ep), so dp
+ranks, the data split and everything reducing over dp are as without ep. Routed experts are
+sharded over "ep" and their gradients reduced over "edp" (`expert_data_mesh`).
+
 Every sub-group gets the job's process-group timeout. `init_device_mesh` otherwise creates
 them with torch's default (30 minutes), whatever the default group's timeout: a rank that
 vanished mid-collective would then hold its TP or DP peers for half an hour.
@@ -24,6 +29,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from parallel.layout import Layout
 
 MESH_DIMS = ("pp", "dp", "cp", "tp")
+EXPERT_MESH_DIMS = ("pp", "edp", "ep", "cp", "tp")
 DATA_DIM = "dp_cp"
 
 
@@ -43,12 +49,20 @@ def _timeout_options(device_type: str, timeout: timedelta) -> C10dBackend.Option
 
 
 def build_mesh(layout: Layout, device_type: str, timeout: timedelta) -> DeviceMesh:
+    if layout.ep > 1:
+        dims = EXPERT_MESH_DIMS
+        shape: tuple[int, ...] = (layout.pp, layout.dp // layout.ep, layout.ep, layout.cp,
+                                  layout.tp)
+    else:
+        dims, shape = MESH_DIMS, (layout.pp, layout.dp, layout.cp, layout.tp)
     mesh = init_device_mesh(
         device_type,
-        (layout.pp, layout.dp, layout.cp, layout.tp),
-        mesh_dim_names=MESH_DIMS,
-        backend_override={dim: _timeout_options(device_type, timeout) for dim in MESH_DIMS},
+        shape,
+        mesh_dim_names=dims,
+        backend_override={dim: _timeout_options(device_type, timeout) for dim in dims},
     )
+    if layout.ep > 1:
+        mesh["edp", "ep"]._flatten("dp", _timeout_options(device_type, timeout))
     if layout.cp > 1:
         # Created here, once, with the timeout; `data_mesh` finds it again by name.
         mesh["dp", "cp"]._flatten(DATA_DIM, _timeout_options(device_type, timeout))
@@ -61,3 +75,13 @@ def data_mesh(mesh: DeviceMesh) -> DeviceMesh:
         return mesh["dp"]
     # Flattening again under the same name returns the mesh build_mesh made.
     return mesh["dp", "cp"]._flatten(DATA_DIM)
+
+
+def expert_data_mesh(mesh: DeviceMesh) -> DeviceMesh:
+    """The ranks a routed expert's gradient reduces over: dp / ep ("edp"); with cp > 1 it would
+    be edp x cp (refused for now by parallel.layout.check_experts)."""
+    return mesh["edp"]
+
+
+def has_experts_dim(mesh: DeviceMesh) -> bool:
+    return "ep" in (mesh.mesh_dim_names or ())

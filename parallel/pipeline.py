@@ -118,12 +118,16 @@ class ActionTimer:
 class TimedStage(PipelineStage):
     """A PipelineStage whose compute actions count towards the rank's busy time."""
 
-    def __init__(self, *args, timer: ActionTimer, **kwargs) -> None:
+    def __init__(self, *args, timer: ActionTimer,
+                 before_forward: Callable[[int], None] | None = None, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.timer = timer
+        self.before_forward = before_forward
 
-    def forward_one_chunk(self, *args, **kwargs):
-        return self.timer.timed(super().forward_one_chunk, *args, **kwargs)
+    def forward_one_chunk(self, fwd_chunk_id: int, *args, **kwargs):
+        if self.before_forward is not None:
+            self.before_forward(fwd_chunk_id)
+        return self.timer.timed(super().forward_one_chunk, fwd_chunk_id, *args, **kwargs)
 
     def backward_one_chunk(self, *args, **kwargs):
         return self.timer.timed(super().backward_one_chunk, *args, **kwargs)
@@ -155,14 +159,18 @@ class Pipeline:
         pp_group: dist.ProcessGroup,
         device: torch.device,
         loss_fn: LossFn,
+        before_forward: Callable[[int], None] | None = None,
     ) -> None:
+        """`before_forward(i)` runs before each stage forward of micro-batch i (not before
+        torch's shape-inference forward of a first step)."""
         check_pipeline(layout)
         self.layout, self.device = layout, device
         self.timer = ActionTimer(device)
         n_stages = layout.pp * layout.virtual_stages
         ids = stage_ids(layout, dist.get_rank(pp_group))
         self.stages = [
-            TimedStage(part, s, n_stages, device, group=pp_group, timer=self.timer)
+            TimedStage(part, s, n_stages, device, group=pp_group, timer=self.timer,
+                       before_forward=before_forward)
             for s, part in zip(ids, parts, strict=True)
         ]
         self.has_first = any(s.is_first for s in self.stages)

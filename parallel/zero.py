@@ -42,14 +42,21 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.optim.adam import adam
 
+from models.moe.model import Experts
 from parallel.layout import Layout
 
 
 def apply_zero(
-    model: nn.Module, layout: Layout, dp_mesh: DeviceMesh, mp_policy: MixedPrecisionPolicy
+    model: nn.Module,
+    layout: Layout,
+    dp_mesh: DeviceMesh,
+    mp_policy: MixedPrecisionPolicy,
+    expert_mesh: DeviceMesh | None = None,
 ) -> None:
     """ZeRO-2/3: shard each transformer block, then the root (embedding, final norm, head).
 
+    `expert_mesh` (expert parallelism): the routed experts, already sharded over ep, are their
+    own FSDP unit sharded over it (edp = dp / ep), before their block takes the rest over dp.
     ZeRO-1 changes no module (parameters stay replicated): its sharding lives in the optimizer,
     `ShardedAdamW`.
     """
@@ -58,6 +65,10 @@ def apply_zero(
     reshard = layout.zero == 3
     layers = getattr(model, "layers", {})
     for block in layers.values():
+        if expert_mesh is not None:
+            for experts in [m for m in block.modules() if isinstance(m, Experts)]:
+                fully_shard(experts, mesh=expert_mesh, reshard_after_forward=reshard,
+                            mp_policy=mp_policy)
         fully_shard(block, mesh=dp_mesh, reshard_after_forward=reshard, mp_policy=mp_policy)
     # The root's parameters are needed right at the start of backward: never reshard them.
     fully_shard(model, mesh=dp_mesh, reshard_after_forward=False, mp_policy=mp_policy)
@@ -142,6 +153,9 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 class ShardedAdamW(torch.optim.Optimizer):
     """ZeRO-1 AdamW: replicated parameters and gradients, dp-sharded state and update.
 
+    `expert_dp_mesh` (expert parallelism): parameters already sharded over the "ep" mesh dim
+    (routed experts) are reduced and sharded over it (edp) instead of dp.
+
     `param_groups` hold the model's own parameters (so `get_state_dict` finds their names);
     `state[p]` holds `step` and the moments `exp_avg`/`exp_avg_sq` as DTensors on p's global
     shape, sharded over dp. The trainer may call `reduce_gradients()` before `step()` to clip the
@@ -157,6 +171,7 @@ class ShardedAdamW(torch.optim.Optimizer):
         betas: tuple[float, float],
         eps: float,
         weight_decay: float,
+        expert_dp_mesh: DeviceMesh | None = None,
     ) -> None:
         # AdamW's own hyper-parameter set (amsgrad, maximize, ... at their defaults, which this
         # update implements), so param_groups in a checkpoint load into either optimizer.
@@ -165,12 +180,17 @@ class ShardedAdamW(torch.optim.Optimizer):
         ).defaults
         super().__init__(params, defaults)
         self.dp_mesh = dp_mesh
+        self.expert_dp_mesh = expert_dp_mesh
         self._slots: dict[torch.Tensor, _Slot] = {}
         self._grad_slices: dict[torch.Tensor, torch.Tensor] = {}
 
     def _slot(self, p: torch.Tensor) -> _Slot:
         if p not in self._slots:
-            self._slots[p] = _Slot(p, self.dp_mesh)
+            mesh = self.dp_mesh
+            if (self.expert_dp_mesh is not None and isinstance(p, DTensor)
+                    and "ep" in (p.device_mesh.mesh_dim_names or ())):
+                mesh = self.expert_dp_mesh
+            self._slots[p] = _Slot(p, mesh)
         return self._slots[p]
 
     @torch.no_grad()

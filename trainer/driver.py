@@ -91,6 +91,7 @@ class StepLog:
                 "tp": layout.tp,
                 "pp": layout.pp,
                 "cp": layout.cp,
+                "ep": layout.ep,
                 "step_seconds": round(r.step_seconds, 6),
                 **step_record(r),
                 "time": time.time(),

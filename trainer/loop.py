@@ -19,12 +19,14 @@ from torch.distributed.tensor import DTensor
 
 from checkpoint.state import Progress, TrainState
 from models import get_spec
-from ops.loss import count_tokens, cross_entropy_sum
+from models.moe.aux_loss import RouterAuxLoss
+from models.moe.config import moe_layers
+from ops.loss import IGNORE_INDEX, count_tokens, cross_entropy_sum
 from parallel import grad_norm
 from parallel.exact_sum import exact_slot_sum, exact_squared_norm
 from parallel.job import JobConfig, TrainConfig
 from parallel.layout import Layout, predicted_bubble
-from parallel.mesh import data_mesh
+from parallel.mesh import data_mesh, expert_data_mesh, has_experts_dim
 from parallel.mixed_precision import compute_context
 from parallel.parallelize import parallelize
 from parallel.pipeline import Pipeline
@@ -66,6 +68,10 @@ class StepResult:
     # Mean token loss of the held-out set after this step's update (trainer.evaluation); None
     # at steps without an evaluation.
     eval_loss: float | None = None
+    # The moe family (models/moe): the step's balancing loss (part of `loss`), and routed
+    # copies per expert of each MoE layer over the step's samples (every rank's tokens).
+    aux_loss: float | None = None
+    expert_load: tuple[tuple[int, ...], ...] = ()
 
 
 def learning_rate(t: TrainConfig, step: int) -> float:
@@ -82,10 +88,14 @@ def learning_rate(t: TrainConfig, step: int) -> float:
 
 
 def build_optimizer(
-    model: torch.nn.Module, t: TrainConfig, zero1_dp_mesh: DeviceMesh | None = None
+    model: torch.nn.Module,
+    t: TrainConfig,
+    zero1_dp_mesh: DeviceMesh | None = None,
+    expert_dp_mesh: DeviceMesh | None = None,
 ) -> torch.optim.Optimizer:
     """AdamW, updating DTensors through their local shards (trainer/shard_local_adamw.py); with
-    `zero1_dp_mesh`, ZeRO-1's AdamW whose state is sharded over that dp mesh."""
+    `zero1_dp_mesh`, ZeRO-1's AdamW whose state is sharded over that dp mesh (routed experts'
+    over `expert_dp_mesh` under expert parallelism)."""
     # Decay matrices only; norms (1-D) keep their scale. DTensor.ndim is the global ndim.
     decay = [p for p in model.parameters() if p.ndim >= 2]
     no_decay = [p for p in model.parameters() if p.ndim < 2]
@@ -101,6 +111,7 @@ def build_optimizer(
             betas=(t.beta1, t.beta2),
             eps=t.eps,
             weight_decay=t.weight_decay,
+            expert_dp_mesh=expert_dp_mesh,
         )
     return ShardLocalAdamW(groups, lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps)
 
@@ -146,7 +157,11 @@ class Trainer:
         for part in parts:
             part.init_buffers(device)
         zero1 = data_mesh(mesh) if mesh is not None and layout.zero == 1 else None
-        self.optimizer = build_optimizer(self.model, cfg.train, zero1)
+        expert_dp = expert_data_mesh(mesh) if mesh is not None and has_experts_dim(mesh) else None
+        self.optimizer = build_optimizer(self.model, cfg.train, zero1, expert_dp)
+        # The moe family's load-balancing loss (models.moe.aux_loss); None for dense models.
+        self.router_aux: RouterAuxLoss | None = getattr(self.model, "router_aux", None)
+        self._aux_sum = torch.zeros((), device=device)  # the step's balancing loss so far
         self.progress = Progress()
         self.state = TrainState(self.model, self.optimizer, self.progress)
         self.stream = stream or open_stream(
@@ -172,7 +187,8 @@ class Trainer:
             else None
         )
         self.pipeline = (
-            Pipeline(parts, layout, self.pp_group, device, self._micro_batch_loss)
+            Pipeline(parts, layout, self.pp_group, device, self._micro_batch_loss,
+                     self.router_aux.select if self.router_aux is not None else None)
             if self.pp_group is not None
             else None
         )
@@ -188,6 +204,33 @@ class Trainer:
         # (to_local is differentiable) so that callers and the pipeline see plain tensors.
         loss = local_loss(cross_entropy_sum(logits, targets) / self._loss_tokens)
         return loss * math.nan if self._inject_loss else loss
+
+    def _open_aux(self, targets: torch.Tensor, rows: int = 0) -> None:
+        """Per-sequence weights of the balancing loss: coef / global_batch for a sample, 0 for
+        a padding slot, so the step's loss is coef x the mean over its samples (per layer)."""
+        assert self.router_aux is not None
+        real = (targets != IGNORE_INDEX).any(dim=-1)
+        coef = self.cfg.model.router_aux_loss_coef / self.cfg.train.global_batch
+        self.router_aux.begin(real.to(torch.float32) * coef, rows=rows, counted=real)
+
+    def _expert_stats(self, aux: torch.Tensor) -> dict:
+        """The step's balancing loss and expert load, summed over every rank's tokens (dp) and
+        stages (pp); tp ranks hold the same."""
+        assert self.router_aux is not None
+        loads = self.router_aux.take_loads()
+        layers = moe_layers(self.cfg.model)
+        e = self.cfg.model.num_experts
+        stats = torch.zeros(1 + len(layers) * e, dtype=torch.float64, device=self.device)
+        stats[0] = aux.to(torch.float64)
+        for n, layer in enumerate(layers):
+            if layer in loads:
+                stats[1 + n * e:1 + (n + 1) * e] = loads[layer].to(torch.float64)
+        for group in (self.dp_group, self.pp_group):
+            if group is not None:
+                dist.all_reduce(stats, group=group)
+        counts = stats[1:].round().to(torch.int64).view(len(layers), e).tolist()
+        return {"aux_loss": float(stats[0].item()),
+                "expert_load": tuple(tuple(row) for row in counts)}
 
     def train_step(self) -> StepResult:
         t, layout = self.cfg.train, self.layout
@@ -209,12 +252,15 @@ class Trainer:
             layout.cp,
             self.cp_rank,
         )
-        bubble: dict = {}
+        measured: dict = {}  # pipeline bubble and expert statistics, as StepResult fields
         exact_grads: list[torch.Tensor] | None = None
         if self.exact is not None:
             loss, counted, exact_grads = self._exact_forward_backward(batches)
         else:
-            loss, counted, bubble = self._forward_backward(batches)
+            self._aux_sum = torch.zeros((), device=self.device)
+            loss, counted, measured = self._forward_backward(batches)
+            if self.router_aux is not None:
+                measured |= self._expert_stats(self._aux_sum)
         if counted != self.step_tokens:
             raise RuntimeError(
                 f"step {step + 1} consumed {counted} target tokens, expected {self.step_tokens}"
@@ -240,7 +286,7 @@ class Trainer:
             tokens=self.step_tokens,
             grad_norm=grad_norm,
             step_seconds=step_seconds,
-            **bubble,
+            **measured,
             recompute_seconds=self.recompute.seconds,
             recompute_ratio=self.recompute.seconds / step_seconds if step_seconds > 0 else 0.0,
             lr=lr,
@@ -323,11 +369,18 @@ class Trainer:
             tokens = torch.zeros((), dtype=torch.int64, device=self.device)
             for mb in batches:
                 inputs, targets = mb.inputs.to(self.device), mb.targets.to(self.device)
+                if self.router_aux is not None:
+                    self._open_aux(targets)
                 with vocab_parallel_loss(layout.tp):
                     with compute_context(layout, self.device):
                         loss = self._micro_batch_loss(self.model(inputs), targets)
                     loss.backward()
                 loss_sum += loss.detach()
+                if self.router_aux is not None:
+                    # The reported loss is the objective: cross-entropy + balancing loss.
+                    aux = self.router_aux.end()
+                    loss_sum += aux
+                    self._aux_sum += aux
                 tokens += count_tokens(targets)
         if self.dp_group is not None:
             reduced = torch.stack([loss_sum, tokens.to(loss_sum.dtype)])
@@ -383,10 +436,18 @@ class Trainer:
         """The step's micro-batches through the schedule, as one batch it splits back in order."""
         inputs = torch.cat([mb.inputs for mb in batches]).to(self.device)
         targets = torch.cat([mb.targets for mb in batches]).to(self.device)
+        if self.router_aux is not None:
+            # The whole step's weights; each stage forward selects its micro-batch's rows.
+            self._open_aux(targets, rows=self.layout.micro_batch)
         # The schedule runs the loss and its backward inside step(): one context around both.
         with vocab_parallel_loss(self.layout.tp), compute_context(self.layout, self.device):
             loss_sum, timing = self.pipeline.step(inputs, targets)
         loss_sum = local_loss(loss_sum)
+        if self.router_aux is not None:
+            # This rank's stages' share; summed with the others' over pp (and dp) by the caller.
+            aux = self.router_aux.end().to(loss_sum.device)
+            loss_sum = loss_sum + aux
+            self._aux_sum += aux
         ratios = torch.zeros(self.layout.pp, dtype=torch.float64)
         ratios[dist.get_rank(self.pp_group)] = timing.bubble
         dist.all_reduce(ratios, group=self.pp_group)
@@ -417,7 +478,12 @@ class Trainer:
             if isinstance(self.optimizer, ShardedAdamW):
                 # ZeRO-1: clip the reduce-scattered gradient slices the optimizer will apply.
                 grads = self.optimizer.reduce_gradients()
-                norm = _total_norm(grads)
+                if self.layout.ep > 1:
+                    # Expert slices live on another mesh (edp x ep) than the others (dp).
+                    squared = grad_norm.squared_norm(grads)
+                    norm = squared.sqrt() if squared is not None else _total_norm(grads)
+                else:
+                    norm = _total_norm(grads)
             else:
                 grads = [p.grad for p in self.model.parameters() if p.grad is not None]
                 squared = grad_norm.squared_norm(grads)  # no DTensor op: fast in a new world

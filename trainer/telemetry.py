@@ -80,6 +80,12 @@ def step_record(r: Any) -> dict[str, Any]:
     }
     if r.skipped:
         record["skipped"] = r.skipped
+    load = getattr(r, "expert_load", ())
+    if load:  # the moe family: balancing loss, copies per expert, max / mean over experts
+        record["aux_loss"] = finite_or_none(r.aux_loss)
+        record["expert_load"] = [list(row) for row in load]
+        record["expert_imbalance"] = round(max(
+            max(row) * len(row) / max(1, sum(row)) for row in load), 6)
     eval_loss = getattr(r, "eval_loss", None)
     if eval_loss is not None:  # a step followed by an evaluation (trainer.evaluation)
         record["eval_loss"] = finite_or_none(eval_loss)

@@ -126,7 +126,7 @@ class Metrics:
         self.build.info({"version": __version__, "python": platform.python_version()})
         # process_start_time_seconds: how alerts see an agent that keeps restarting.
         ProcessCollector(registry=r)
-        for dim in ("dp", "tp", "pp", "cp"):
+        for dim in ("dp", "tp", "pp", "cp", "ep"):
             self.mesh_size.labels(dim=dim).set(0)
         for reason in REASONS:
             self.membership_changes.labels(reason=reason)
@@ -158,7 +158,7 @@ class Metrics:
         self._generation, self._last_step = plan.generation, plan.restore.step
         self.generation.set(plan.generation)
         self.world_size.set(plan.world_size)
-        for dim in ("dp", "tp", "pp", "cp"):
+        for dim in ("dp", "tp", "pp", "cp", "ep"):
             self.mesh_size.labels(dim=dim).set(getattr(plan.layout, dim))
         self.bubble.labels(source="predicted").set(plan.predicted.bubble_ratio)
         for kind in MEMORY_KINDS:

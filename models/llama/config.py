@@ -26,6 +26,14 @@ def _positive(name: str, value: float) -> None:
 
 
 def validate(m: ModelConfig) -> None:
+    if m.num_experts:
+        raise ConfigError(f"model.num_experts needs model.family = \"moe\" (got {m.num_experts} "
+                          f"experts for family {m.family!r})")
+    validate_shape(m)
+
+
+def validate_shape(m: ModelConfig) -> None:
+    """The checks of attention, norms, RoPE and the dense MLP (the moe family shares them)."""
     for key in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
                 "num_key_value_heads", "vocab_size", "max_position_embeddings", "head_dim"):
         _positive(f"model.{key}", getattr(m, key))

@@ -1,0 +1,55 @@
+"""The moe family: a Llama-style decoder with mixture-of-experts MLPs (docs/moe.md).
+
+The spec's torch-side entries import their modules when called, as Llama's do.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from models.llama import SPEC as LLAMA
+from models.llama import formulas as llama_formulas
+from models.moe import config, formulas
+from models.spec import HFAdapter, ModelSpec
+
+if TYPE_CHECKING:
+    from torch import nn
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from parallel.job import ModelConfig
+    from parallel.layout import Layout
+
+
+def _build(cfg: ModelConfig) -> nn.Module:
+    from models.moe.model import build_model
+
+    return build_model(cfg)
+
+
+def _tensor_parallel(model: nn.Module, layout: Layout, tp_mesh: DeviceMesh) -> None:
+    from models.moe.sharding import apply_tensor_parallel
+
+    apply_tensor_parallel(model, layout, tp_mesh)
+
+
+def _no_hf(*_args: object) -> Any:
+    from parallel.job import ConfigError
+
+    raise ConfigError("Hugging Face import and export of model.family \"moe\" (Mixtral, "
+                      "Qwen-MoE) are not supported yet; see docs/moe.md")
+
+
+SPEC = ModelSpec(
+    name="moe",
+    validate=config.validate,
+    build=_build,
+    init_weights=LLAMA.init_weights,
+    tensor_parallel=_tensor_parallel,
+    split_stages=LLAMA.split_stages,  # a stage is a run of layers, dense or MoE alike
+    param_counts=formulas.param_counts,
+    param_shapes=formulas.param_shapes,
+    attention_flops_per_token=llama_formulas.attention_flops_per_token,
+    # Hugging Face import/export of Mixtral / Qwen-MoE is not written yet: every use says so.
+    hf=HFAdapter(model_type="mixtral", to_hf=_no_hf, from_hf=_no_hf, config_from_hf=_no_hf,
+                 config_to_hf=_no_hf, hf_names=_no_hf),
+)
