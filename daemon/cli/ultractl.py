@@ -18,13 +18,13 @@ Global flags go before or after the command: --endpoint, --token-file, --tls-ca,
 else its environment variable (ULTRA_ENDPOINT, ULTRA_TOKEN_FILE, ULTRA_TLS_CA, ULTRA_CONTEXT,
 ULTRACTL_CONFIG, ULTRA_OUTPUT, ULTRA_TIMEOUT, ULTRA_INSECURE), else the context. The token goes
 only to agents verified by TLS or on loopback (else --insecure). An endpoint may list several
-agents (a,b,c); a context also remembers every member an agent reported. Data goes to stdout, diagnostics to stderr. See docs/ultractl.md.
+agents (a,b,c); a context also remembers every member an agent reported. Data goes to stdout,
+diagnostics to stderr. See docs/ultractl.md.
 `plan` shows the live plan with the planner's predictions; `--world`/`--memory`/`--free` ask
 what the layout search would choose on another world (with `--job FILE`, no cluster needed).
 Exit codes: 0 ok, 1 failure (including a rejected request), 2 usage (bad flags, files or
-config), 3 no agent could be reached (nothing was sent: safe to retry). `wait`: 0 the job
-reached the state, 1 it reached another end state (finished, failed, cancelled), 4 --timeout
-passed first. `job cancel` stops the job at the next step boundary after a durable checkpoint.
+config), 3 no agent could be reached (nothing was sent: safe to retry), 4 `wait --timeout`
+passed first (`wait` gives 1 when the job reached another end state).
 """
 
 from __future__ import annotations
