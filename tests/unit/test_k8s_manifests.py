@@ -833,7 +833,6 @@ def test_the_manifests_name_the_image_make_builds() -> None:
               if "ultrad" in c["image"]}
     assert images == {tag}, images
     ds = built_object(docs, "DaemonSet", "ultrad")
-    assert ds["metadata"]["labels"]["app.kubernetes.io/version"] == version.group(1)
     for containerfile in ("Containerfile", "Containerfile.cpu"):
         text = (REPO / "deploy" / "container" / containerfile).read_text()
         assert containerfile in (REPO / "Makefile").read_text()
