@@ -122,7 +122,9 @@ def test_every_process_of_an_unprivileged_agent_runs_as_its_user(
     def observe() -> bool:
         for pid in [proc.pid, *descendants(proc.pid)]:
             ids = _ids(pid)
-            if ids is not None:
+            if ids is not None and pid == proc.pid:
+                seen[pid] = ids  # until Popen's fork has exec'd setpriv, it is root pytest
+            elif ids is not None:
                 seen.setdefault(pid, ids)
         for agent in descendants(proc.pid):
             workers.update(worker_pids(agent))
