@@ -27,6 +27,8 @@ from daemon.control.etcd_server import EtcdServer
 from daemon.procutil import parent_death_env, terminate
 from proto.ultrascale.v1 import agent_pb2 as pb
 from proto.ultrascale.v1 import agent_pb2_grpc as pb_grpc
+from tests.integration.secure_etcd import SecureEtcd, start_secure_etcd
+from tests.pki import make_ca
 
 ROOT = Path(__file__).resolve().parents[2]
 TTL = 2
@@ -216,3 +218,13 @@ def shared_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster
     finally:
         c.stop()
         server.stop()
+
+
+@pytest.fixture
+def secure_etcd(tmp_path: Path) -> Iterator[SecureEtcd]:
+    """A TLS-only etcd with client certificates and auth on (tests/integration/secure_etcd.py)."""
+    secure = start_secure_etcd(tmp_path, make_ca(tmp_path / "ca", "cluster"))
+    try:
+        yield secure
+    finally:
+        secure.server.stop()

@@ -16,7 +16,7 @@ from daemon.control.etcd_security import EtcdSecurity
 from daemon.control.etcd_server import EtcdServer, EtcdServerTLS
 from daemon.procutil import free_port
 from tests.integration.conftest import Cluster, wait_until
-from tests.integration.secure_etcd import SecureEtcd, start_secure_etcd
+from tests.integration.secure_etcd import SecureEtcd
 from tests.pki import make_ca
 
 pytestmark = pytest.mark.integration
@@ -78,15 +78,6 @@ def test_each_member_is_verified_for_the_name_it_was_dialled_by(
     assert named, [r.message for r in caplog.records]
     with pytest.raises(ETCD_ERRORS):
         asyncio.run(put_get(by_name))
-
-
-@pytest.fixture
-def secure_etcd(tmp_path: Path) -> Iterator[SecureEtcd]:
-    secure = start_secure_etcd(tmp_path, make_ca(tmp_path / "ca", "cluster"))
-    try:
-        yield secure
-    finally:
-        secure.server.stop()
 
 
 def test_named_https_members_with_client_certificates_and_auth(secure_etcd: SecureEtcd) -> None:

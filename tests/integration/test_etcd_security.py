@@ -20,19 +20,10 @@ from daemon.control.etcd_security import EtcdSecurity
 from daemon.control.etcd_server import EtcdServer
 from daemon.procutil import free_port, parent_death_env, terminate
 from tests.integration.conftest import ROOT, TINY_JOB, _cluster, wait_until
-from tests.integration.secure_etcd import SecureEtcd, start_secure_etcd, void_auth_tokens
+from tests.integration.secure_etcd import SecureEtcd, void_auth_tokens
 from tests.pki import make_ca
 
 pytestmark = pytest.mark.integration
-
-
-@pytest.fixture
-def secure_etcd(tmp_path: Path) -> Iterator[SecureEtcd]:
-    secure = start_secure_etcd(tmp_path, make_ca(tmp_path / "ca", "cluster"))
-    try:
-        yield secure
-    finally:
-        secure.server.stop()
 
 
 async def _first_event(watch: object) -> object:

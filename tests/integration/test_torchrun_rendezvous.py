@@ -25,7 +25,7 @@ from daemon.procutil import free_port
 from daemon.rendezvous.conf import RendezvousConfError
 from daemon.rendezvous.handler import create_rdzv_handler
 from tests.conftest import REPO
-from tests.integration.secure_etcd import USER, SecureEtcd, start_secure_etcd
+from tests.integration.secure_etcd import USER, SecureEtcd
 from tests.integration.torchrun_nodes import (
     CHECKPOINT_EVERY,
     RUN_ID,
@@ -35,7 +35,6 @@ from tests.integration.torchrun_nodes import (
     require_entry_point,
     torchrun_env,
 )
-from tests.pki import make_ca
 
 pytestmark = pytest.mark.integration
 
@@ -95,15 +94,6 @@ def test_a_node_dies_and_rejoins_and_the_job_finishes(job: list[TorchrunJob], tm
     assert f"_{victim.proc.pid}_" in first and f"_{survivor.proc.pid}_" in first, first
     assert f"_{returned.proc.pid}_" in last and f"_{survivor.proc.pid}_" in last, last
     print(f"node death and rejoin: {time.monotonic() - started:.1f}s")
-
-
-@pytest.fixture
-def secure_etcd(tmp_path: Path) -> Iterator[SecureEtcd]:
-    secure = start_secure_etcd(tmp_path, make_ca(tmp_path / "ca", "cluster"))
-    try:
-        yield secure
-    finally:
-        secure.server.stop()
 
 
 def test_tls_etcd_with_user_password(job: list[TorchrunJob], tmp_path: Path,
