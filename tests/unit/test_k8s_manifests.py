@@ -832,7 +832,6 @@ def test_the_manifests_name_the_image_make_builds() -> None:
     images = {c["image"] for pod in pod_templates(docs).values() for c in pod["containers"]
               if "ultrad" in c["image"]}
     assert images == {tag}, images
-    ds = built_object(docs, "DaemonSet", "ultrad")
     for containerfile in ("Containerfile", "Containerfile.cpu"):
         text = (REPO / "deploy" / "container" / containerfile).read_text()
         assert containerfile in (REPO / "Makefile").read_text()
