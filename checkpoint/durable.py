@@ -23,6 +23,7 @@ from __future__ import annotations
 import sys
 import threading
 import time
+import traceback
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from datetime import timedelta
@@ -232,9 +233,10 @@ class CheckpointManager:
         try:
             dcp.load({"state": state}, storage_reader=reader, planner=SafeLoadPlanner(),
                      process_group=self.group)
-        except CheckpointException:
+        except CheckpointException as exc:
             if not reader.agree_invalid():
                 raise
+            release_frames(exc, reader.invalid)
             return reader
         return None
 
@@ -250,6 +252,20 @@ class CheckpointManager:
             except CheckpointInvalid as e:
                 self.log(f"checkpoint {path.name} is invalid ({e}); trying an older one")
         return None
+
+
+def release_frames(*errors: BaseException | None) -> None:
+    """Clear the finished frames of a failed DCP load's tracebacks.
+
+    DCP keeps a rank's exception in a frame of its traceback (a cycle), and the reader keeps
+    the error it raised (`invalid`), whose frames hold the reader; the frames hold the process
+    group. Uncleared, a failed candidate keeps the group's gloo threads alive until the collector
+    runs, or until interpreter shutdown, where freeing a gloo group can abort the process.
+    """
+    for error in errors:
+        if error is not None:
+            traceback.clear_frames(error.__traceback__)
+            error.__traceback__ = None
 
 
 def open_offline(ckpt_dir: Path) -> tuple[Manifest, Metadata]:

@@ -38,8 +38,9 @@ def prepare_spec(toml: str, overrides: Sequence[str], source: str,
     check_paths(job, roots)
     p = job.parallel
     # Check the layout on the smallest world it could run on, so an unsupported or
-    # inconsistent parallelism is refused now rather than when nodes are planned.
-    resolve(job, (p.dp if isinstance(p.dp, int) else 1) * p.tp * p.pp * p.cp)
+    # inconsistent parallelism is refused now rather than when nodes are planned. With dp
+    # "auto", the smallest dp is ep (expert parallelism takes its ranks from dp).
+    resolve(job, (p.dp if isinstance(p.dp, int) else p.ep) * p.tp * p.pp * p.cp)
     spec = JobSpec(config=job.to_dict(), toml=toml, overrides=tuple(overrides),
                    submitted_at=time.time())
     size = len(spec.to_json())

@@ -43,6 +43,7 @@ class Segment:
     tp: int = 1
     pp: int = 1
     cp: int = 1
+    ep: int = 1
 
 
 @dataclass
@@ -71,13 +72,13 @@ def segments(lines: list[dict[str, Any]]) -> list[Segment]:
             out[-1] = dataclasses.replace(cur, last=step)
         else:
             out.append(Segment(line["generation"], line["world_size"], line["dp"], step, step,
-                               line["tp"], line["pp"], line["cp"]))
+                               line["tp"], line["pp"], line["cp"], line.get("ep", 1)))
     return out
 
 
 def _key(job_text: str, segs: list[Segment]) -> str:
     h = hashlib.sha256(job_text.encode())
-    h.update(json.dumps([(s.world_size, s.tp, s.pp, s.cp, s.first, s.last)
+    h.update(json.dumps([(s.world_size, s.tp, s.pp, s.cp, s.ep, s.first, s.last)
                          for s in segs]).encode())
     return h.hexdigest()[:20]
 
@@ -112,7 +113,7 @@ def replay(job_text: str, segs: list[Segment], cache: Path) -> ReplayResult:
             args = [sys.executable, "-m", "torch.distributed.run", "--standalone",
                     f"--nproc-per-node={seg.world_size}", "-m", "trainer", "--config", str(job),
                     "--set", f"parallel.tp={seg.tp}", "--set", f"parallel.pp={seg.pp}",
-                    "--set", f"parallel.cp={seg.cp}",
+                    "--set", f"parallel.cp={seg.cp}", "--set", f"parallel.ep={seg.ep}",
                     "--checkpoint-dir", str(ckpt), "--resume", "--steps", str(seg.last),
                     "--log-format", "json"]
             proc = subprocess.run(args, capture_output=True, text=True, cwd=work,

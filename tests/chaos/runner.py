@@ -188,7 +188,7 @@ class ChaosRun:
                  steps: int = 30, every: int = 4, keep: int = 2, tp: int = 1,
                  checkpoint_dir: str = "checkpoints", fault: dict[str, Any] | None = None,
                  env: dict[str, str] | None = None, hosts: Hosts | None = None,
-                 parallel: dict[str, Any] | None = None,
+                 parallel: dict[str, Any] | None = None, model: dict[str, Any] | None = None,
                  snapshot_every: int | None = None) -> None:
         self.root, self.scenario, self.report = root, scenario, report
         self.replay_cache = replay_cache
@@ -209,6 +209,8 @@ class ChaosRun:
         }
         if parallel:
             sections["parallel"] = parallel
+        if model:
+            sections["model"] = model
         if fault:
             sections["fault"] = fault
         self.job_text = small_job_text(token_file, **sections)
