@@ -17,6 +17,7 @@ from proto.ultrascale.v1 import agent_pb2_grpc as pb_grpc
 from trainer.driver import Blocked
 from trainer.loop import StepResult
 from trainer.restore_order import Restored
+from trainer.telemetry import ExpertTelemetry
 
 # Beyond the long poll's own wait: the agent's answer and the socket's round trip.
 LONG_POLL_MARGIN_S = 5.0
@@ -84,8 +85,10 @@ class AgentLink:
         )
 
     def report_step(self, gp: pb.GenerationPlan, r: StepResult, dp: int,
-                    blocked: Blocked | None = None) -> pb.StepReply:
-        """`blocked`: what checkpoints taken after the previous step held the loop."""
+                    blocked: Blocked | None = None,
+                    experts: ExpertTelemetry | None = None) -> pb.StepReply:
+        """`blocked`: what checkpoints taken after the previous step held the loop;
+        `experts`: a MoE model's expert figures (trainer.telemetry.expert_telemetry)."""
         report = pb.StepReport(
             generation=gp.generation,
             global_rank=gp.global_rank,
@@ -117,6 +120,11 @@ class AgentLink:
             report.memory_activations_bytes = m.activations
             if m.peak is not None:  # the CUDA allocator's peak
                 report.memory_peak_bytes = m.peak
+        if experts is not None:
+            report.aux_loss = experts.aux_loss
+            report.dropped_tokens = experts.dropped
+            report.expert_load.extend(pb.ExpertLoad(layer=layer, tokens=row)
+                                      for layer, row in experts.load.items())
         if blocked is not None and blocked.memory is not None:
             report.snapshot_blocking_seconds = blocked.memory
         if blocked is not None and blocked.durable is not None:

@@ -11,6 +11,7 @@ docs/observability.md lists the table.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -91,6 +92,29 @@ def step_record(r: Any) -> dict[str, Any]:
         record["eval_loss"] = finite_or_none(eval_loss)
         record["eval_ppl"] = perplexity(eval_loss)
     return record
+
+
+@dataclass(frozen=True)
+class ExpertTelemetry:
+    """A MoE step's expert figures for the agent's metrics (docs/observability.md)."""
+
+    aux_loss: float
+    load: dict[int, tuple[int, ...]]  # decoder layer -> routed copies per expert, all ranks
+    dropped: int  # routed copies no expert computed, over every MoE layer
+
+
+def expert_telemetry(r: Any, job: JobConfig) -> ExpertTelemetry | None:
+    """r: StepResult. None for a dense model. `dropped` is what the routing asked for (every
+    sample's tokens x top-k per MoE layer) minus what the experts counted: 0 while dropless."""
+    rows = getattr(r, "expert_load", ())
+    if not rows:
+        return None
+    from models.moe.config import moe_layers
+
+    m, t = job.model, job.train
+    asked = t.global_batch * t.seq_len * m.num_experts_per_tok
+    load = dict(zip(moe_layers(m), (tuple(row) for row in rows), strict=True))
+    return ExpertTelemetry(r.aux_loss, load, sum(asked - sum(row) for row in load.values()))
 
 
 class TensorBoard:

@@ -60,6 +60,7 @@ from trainer.heartbeat import Heartbeat
 from trainer.shared_storage import check_shared
 from trainer.standby import await_role, is_standby
 from trainer.teardown import Teardown, freeze_import_heap, sever_connections
+from trainer.telemetry import expert_telemetry
 
 PR_SET_NAME = 15
 
@@ -179,7 +180,8 @@ class Generation:
             beat.update(gp.generation, "step", result.step)
             if self.faults is not None:
                 self.faults.check(result.step)
-            agreed = agree(link.report_step(gp, result, driver.layout.dp, driver.take_blocked()))
+            agreed = agree(link.report_step(gp, result, driver.layout.dp, driver.take_blocked(),
+                                            expert_telemetry(result, driver.job)))
             action = decide(agreed, checkpoint_seq_done)
             if action.leave_now:
                 return Outcome("left", result.step)

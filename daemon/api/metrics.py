@@ -25,6 +25,7 @@ from prometheus_client import (
 )
 
 from daemon import __version__
+from daemon.api.expert_metrics import ExpertMetrics
 from daemon.control.records import CheckpointRecord, JobState, Progress, RestoreRecord
 from daemon.recovery_phases import PHASES, Recovery
 from parallel.planner import Plan
@@ -122,6 +123,7 @@ class Metrics:
                                    "Host memory for this node's snapshots: the plan's "
                                    "prediction, and what the snapshot directory has room for",
                                    ["kind"], registry=r)
+        self.experts = ExpertMetrics(r)
         self.build = Info("ultra_build", "Build information", registry=r)
         self.build.info({"version": __version__, "python": platform.python_version()})
         # process_start_time_seconds: how alerts see an agent that keeps restarting.
@@ -191,6 +193,7 @@ class Metrics:
             name = f"memory_{kind}_bytes"
             if report.HasField(name):
                 self.memory.labels(kind=kind, source="measured").set(getattr(report, name))
+        self.experts.observe(report)
         if report.HasField("bubble_ratio"):
             self.bubble.labels(source="measured").set(report.bubble_ratio)
         if report.HasField("recompute_seconds"):

@@ -34,6 +34,8 @@ from tests.processes import running
 pytestmark = pytest.mark.integration
 
 STEPS = 6
+# 4 experts of width 32, top-2, in both layers of the small job.
+MOE = {"family": "moe", "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32}
 HERE = Path(__file__).resolve().parent
 # Worker start (a torch import per worker) and six steps on a loaded 2-core machine.
 JOB_DEADLINE_S = 240.0
@@ -100,14 +102,16 @@ class Job:
 
 @pytest.fixture(scope="module")
 def job(tmp_path_factory: pytest.TempPathFactory, token_file: Path) -> Iterator[Job]:
-    """Two agents with one worker each, training a small job that checkpoints every 2 steps."""
+    """Two agents with one worker each, training a small mixture-of-experts job at ep 2 (so
+    the expert series exist too) that checkpoints every 2 steps."""
     _tool("promtool")
     root = tmp_path_factory.mktemp("prometheus-job")
     cluster = LocalCluster(root / "state", 2, 1, ttl=2)
     with running(cluster):
         job = Job(cluster, cluster.token_file.read_text().strip())
         spec = small_job_text(token_file, job={"name": "scraped"}, train={"steps": STEPS},
-                              checkpoint={"dir": "checkpoints", "every": 2})
+                              checkpoint={"dir": "checkpoints", "every": 2}, model=MOE,
+                              parallel={"ep": 2})
         _call(cluster, job.token, "SubmitJob", pb.SubmitJobRequest(
             spec_toml=spec, overrides=[f'job.output_dir="{root / "output"}"']))
         yield job
@@ -180,7 +184,10 @@ def test_promtool_accepts_the_agents_metrics(job: Job) -> None:
         # Step telemetry: the schedule's lr and the gradient norm; MFU unknown on CPU (NaN).
         for line in ("ultra_train_learning_rate ", "ultra_train_grad_norm ",
                      "ultra_train_mfu_ratio NaN",
-                     'ultra_train_skipped_steps_total{reason="nonfinite_loss"} 0.0'):
+                     'ultra_train_skipped_steps_total{reason="nonfinite_loss"} 0.0',
+                     'ultra_mesh_size{dim="ep"} 2.0', "ultra_moe_dropped_tokens_total 0.0",
+                     'ultra_moe_expert_tokens{expert="3",layer="1"} ',
+                     'ultra_moe_expert_imbalance{layer="0"} ', "ultra_moe_aux_loss "):
             assert line in text, line
         result = _promtool("check", "metrics", stdin=text)
         assert result.returncode == 0, f"{url}:\n{result.stdout}{result.stderr}"

@@ -70,7 +70,9 @@ def test_the_dashboards_show_what_each_promises() -> None:
     assert {"ultra_world_size", "ultra_generation", "ultra_train_steps_total",
             "ultra_train_tokens_total", "ultra_train_loss", "ultra_train_learning_rate",
             "ultra_train_grad_norm", "ultra_train_mfu_ratio",
-            "ultra_train_skipped_steps_total"} <= used["ultrascale-overview"]
+            "ultra_train_skipped_steps_total", "ultra_moe_expert_imbalance",
+            "ultra_moe_expert_tokens", "ultra_moe_aux_loss",
+            "ultra_moe_dropped_tokens_total"} <= used["ultrascale-overview"]
     assert {"ultra_recompute_ratio", "ultra_pipeline_bubble_ratio",
             "ultra_memory_bytes"} <= used["ultrascale-efficiency"]
     assert {"ultra_membership_changes_total", "ultra_recovery_duration_seconds_bucket",
@@ -84,7 +86,8 @@ def test_every_metric_used_is_exported_by_the_agent_or_recorded_by_a_rule() -> N
     metrics = Metrics()
     metrics.observe_plan(plan_generation(loads(JOB), [NodeInfo("a", 1)], 1, ("h", 1)))
     metrics.observe_step(pb.StepReport(generation=1, step=1, bubble_ratio=0.1,
-                                       memory_params_bytes=1))
+                                       memory_params_bytes=1, aux_loss=0.1,
+                                       expert_load=[pb.ExpertLoad(layer=0, tokens=[1, 2])]))
     text = generate_latest(metrics.registry).decode()
     exported = {s.name for fam in text_string_to_metric_families(text) for s in fam.samples}
     # Prometheus writes `up` for every target it scrapes (1 scraped, 0 failed): no exporter

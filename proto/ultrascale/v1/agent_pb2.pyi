@@ -258,7 +258,7 @@ class GenerationPlan(_message.Message):
     def __init__(self, generation: _Optional[int] = ..., plan_json: _Optional[str] = ..., changed: _Optional[bool] = ..., global_rank: _Optional[int] = ..., local_rank: _Optional[int] = ..., world_size: _Optional[int] = ..., store_host: _Optional[str] = ..., store_port: _Optional[int] = ..., exit: _Optional[bool] = ..., store_prefix: _Optional[str] = ...) -> None: ...
 
 class StepReport(_message.Message):
-    __slots__ = ("generation", "global_rank", "step", "loss", "tokens", "consumed_samples", "step_seconds", "world_size", "dp", "memory_params_bytes", "memory_grads_bytes", "memory_optimizer_bytes", "memory_activations_bytes", "memory_peak_bytes", "bubble_ratio", "recompute_seconds", "recompute_ratio", "local_rank", "snapshot_blocking_seconds", "checkpoint_blocking_seconds", "learning_rate", "grad_norm", "mfu", "skipped", "eval_loss")
+    __slots__ = ("generation", "global_rank", "step", "loss", "tokens", "consumed_samples", "step_seconds", "world_size", "dp", "memory_params_bytes", "memory_grads_bytes", "memory_optimizer_bytes", "memory_activations_bytes", "memory_peak_bytes", "bubble_ratio", "recompute_seconds", "recompute_ratio", "local_rank", "snapshot_blocking_seconds", "checkpoint_blocking_seconds", "learning_rate", "grad_norm", "mfu", "skipped", "eval_loss", "aux_loss", "expert_load", "dropped_tokens")
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     GLOBAL_RANK_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
@@ -284,6 +284,9 @@ class StepReport(_message.Message):
     MFU_FIELD_NUMBER: _ClassVar[int]
     SKIPPED_FIELD_NUMBER: _ClassVar[int]
     EVAL_LOSS_FIELD_NUMBER: _ClassVar[int]
+    AUX_LOSS_FIELD_NUMBER: _ClassVar[int]
+    EXPERT_LOAD_FIELD_NUMBER: _ClassVar[int]
+    DROPPED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     generation: int
     global_rank: int
     step: int
@@ -309,7 +312,18 @@ class StepReport(_message.Message):
     mfu: float
     skipped: str
     eval_loss: float
-    def __init__(self, generation: _Optional[int] = ..., global_rank: _Optional[int] = ..., step: _Optional[int] = ..., loss: _Optional[float] = ..., tokens: _Optional[int] = ..., consumed_samples: _Optional[int] = ..., step_seconds: _Optional[float] = ..., world_size: _Optional[int] = ..., dp: _Optional[int] = ..., memory_params_bytes: _Optional[float] = ..., memory_grads_bytes: _Optional[float] = ..., memory_optimizer_bytes: _Optional[float] = ..., memory_activations_bytes: _Optional[float] = ..., memory_peak_bytes: _Optional[float] = ..., bubble_ratio: _Optional[float] = ..., recompute_seconds: _Optional[float] = ..., recompute_ratio: _Optional[float] = ..., local_rank: _Optional[int] = ..., snapshot_blocking_seconds: _Optional[float] = ..., checkpoint_blocking_seconds: _Optional[float] = ..., learning_rate: _Optional[float] = ..., grad_norm: _Optional[float] = ..., mfu: _Optional[float] = ..., skipped: _Optional[str] = ..., eval_loss: _Optional[float] = ...) -> None: ...
+    aux_loss: float
+    expert_load: _containers.RepeatedCompositeFieldContainer[ExpertLoad]
+    dropped_tokens: int
+    def __init__(self, generation: _Optional[int] = ..., global_rank: _Optional[int] = ..., step: _Optional[int] = ..., loss: _Optional[float] = ..., tokens: _Optional[int] = ..., consumed_samples: _Optional[int] = ..., step_seconds: _Optional[float] = ..., world_size: _Optional[int] = ..., dp: _Optional[int] = ..., memory_params_bytes: _Optional[float] = ..., memory_grads_bytes: _Optional[float] = ..., memory_optimizer_bytes: _Optional[float] = ..., memory_activations_bytes: _Optional[float] = ..., memory_peak_bytes: _Optional[float] = ..., bubble_ratio: _Optional[float] = ..., recompute_seconds: _Optional[float] = ..., recompute_ratio: _Optional[float] = ..., local_rank: _Optional[int] = ..., snapshot_blocking_seconds: _Optional[float] = ..., checkpoint_blocking_seconds: _Optional[float] = ..., learning_rate: _Optional[float] = ..., grad_norm: _Optional[float] = ..., mfu: _Optional[float] = ..., skipped: _Optional[str] = ..., eval_loss: _Optional[float] = ..., aux_loss: _Optional[float] = ..., expert_load: _Optional[_Iterable[_Union[ExpertLoad, _Mapping]]] = ..., dropped_tokens: _Optional[int] = ...) -> None: ...
+
+class ExpertLoad(_message.Message):
+    __slots__ = ("layer", "tokens")
+    LAYER_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    layer: int
+    tokens: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, layer: _Optional[int] = ..., tokens: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class StepReply(_message.Message):
     __slots__ = ("stop_now", "stop", "checkpoint_seq")
