@@ -277,11 +277,11 @@ def _plan(args: argparse.Namespace) -> int:
                 here = whatif.world_of(plan["ranks"])
                 plan["model_prediction"] = whatif.predict(job, live.layout, here.devices_per_node)
                 world = world or here
-                # The live job's search is over what it lets the daemon re-plan.
-                free = free or job.parallel.replan
             elif wants_search:
                 raise CtlError("no generation yet to search from: pass --job FILE", 1)
         if wants_search and job is not None and world is not None:
+            # A job's search (a file's or the live one's) is over what it lets the daemon re-plan.
+            free = free or job.parallel.replan
             plan["search"] = whatif.search(job, world, memory, free)
     except whatif.WhatIfError as exc:
         raise CtlError(str(exc), 2) from None

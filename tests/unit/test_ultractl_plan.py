@@ -80,3 +80,17 @@ def test_ultractl_plan_with_a_job_file_needs_no_cluster(capsys) -> None:
     assert ultractl.main(["plan", "--job", str(TINY), "--world", "2x2",
                           "--set", "parallel.tp=many"]) == 2
     assert "parallel.tp" in capsys.readouterr().err
+
+
+def test_a_job_files_search_is_over_its_replan_dimensions_and_lists_ep(capsys) -> None:
+    """examples/mixtral_8x7b.toml lets the daemon re-plan ep (and more): `plan --job` on 8x8
+    searches them as for the live job, and its layouts carry ep."""
+    mixtral = TINY.parent / "mixtral_8x7b.toml"
+    assert ultractl.main(["plan", "--job", str(mixtral), "--world", "8x8", "--explain"]) == 0
+    out = capsys.readouterr().out
+    assert "free: ep, tp, pp, zero, recompute, micro_batch" in out
+    ranked = [line for line in out.splitlines() if line.startswith(("best:", "  #"))]
+    assert len(ranked) >= 3 and any(" ep8 " in line for line in ranked), out
+    # --free still overrides the file's list (ep 1, tp 1, pp 1: nothing fits 80 GB, exit 1).
+    assert ultractl.main(["plan", "--job", str(mixtral), "--world", "8x8", "--free", "zero"]) == 1
+    assert "free: zero" in capsys.readouterr().out
