@@ -29,7 +29,7 @@ $(VENV)/.installed: pyproject.toml | $(PY)
 	$(MAKE) install
 
 test: $(VENV)/.installed
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q --durations=30 tests
 
 test-unit: $(VENV)/.installed
 	$(PY) -m pytest -q -m unit tests
