@@ -74,6 +74,8 @@ class ModelConfig:
     moe_layer_freq: int = 1  # of the others, layer i is MoE when i % moe_layer_freq == 0
     norm_topk_prob: bool = True  # renormalise the top-k routing weights to sum to 1
     router_aux_loss_coef: float = 0.001  # weight of the load-balancing loss (0: off)
+    # DeepSeek-V3's auxiliary-loss-free balancing: per-expert routing bias step (0: off).
+    router_bias_update_rate: float = 0.0
 
     def __post_init__(self) -> None:
         if self.head_dim == 0 and self.num_attention_heads > 0:
@@ -278,7 +280,7 @@ MAX: dict[str, int | float] = {
     "model.num_experts": 2**12, "model.num_experts_per_tok": 2**12,
     "model.moe_intermediate_size": 2**19, "model.num_shared_experts": 2**12,
     "model.first_k_dense_replace": 2**12, "model.moe_layer_freq": 2**12,
-    "model.router_aux_loss_coef": 1e3,
+    "model.router_aux_loss_coef": 1e3, "model.router_bias_update_rate": 1.0,
     "train.steps": MAX_STEPS, "train.global_batch": 2**24, "train.seq_len": 2**24,
     "train.seed": 2**63 - 1, "train.lr": 10.0, "train.min_lr": 10.0,
     "train.warmup_steps": MAX_STEPS, "train.weight_decay": 10.0, "train.beta1": 1.0,

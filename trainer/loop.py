@@ -20,6 +20,7 @@ from torch.distributed.tensor import DTensor
 from checkpoint.state import Progress, TrainState
 from models import get_spec
 from models.moe.aux_loss import RouterAuxLoss
+from models.moe.bias_balance import update_expert_bias
 from models.moe.config import moe_layers
 from ops.loss import IGNORE_INDEX, count_tokens, cross_entropy_sum
 from parallel import grad_norm
@@ -213,6 +214,16 @@ class Trainer:
         coef = self.cfg.model.router_aux_loss_coef / self.cfg.train.global_batch
         self.router_aux.begin(real.to(torch.float32) * coef, rows=rows, counted=real)
 
+    def _balance_experts(self, measured: dict) -> None:
+        """Auxiliary-loss-free balancing (models.moe.bias_balance), after an applied update."""
+        rate = self.cfg.model.router_bias_update_rate
+        if rate > 0:
+            if "expert_load" not in measured:
+                raise RuntimeError("model.router_bias_update_rate needs the step's expert load, "
+                                   "which this step path does not measure")
+            load = dict(zip(moe_layers(self.cfg.model), measured["expert_load"], strict=True))
+            update_expert_bias(self.model, load, rate)
+
     def _expert_stats(self, aux: torch.Tensor) -> dict:
         """The step's balancing loss and expert load, summed over every rank's tokens (dp) and
         stages (pp); tp ranks hold the same."""
@@ -273,6 +284,7 @@ class Trainer:
         skipped = agree_skip(loss, grad_norm, self.mesh is not None)
         if not skipped:
             self.optimizer.step()
+            self._balance_experts(measured)
         self.optimizer.zero_grad(set_to_none=True)
         self.progress.step += 1
         self.progress.consumed_samples += t.global_batch
@@ -498,8 +510,13 @@ class Trainer:
         return float(norm.item())
 
     def full_state(self) -> dict[str, torch.Tensor]:
-        """Unsharded model parameters (a collective under a mesh): for tests and export."""
+        """Unsharded model parameters and persistent buffers (a collective under a mesh): what
+        a checkpoint's model state holds, for tests against one process."""
         out = {}
         for name, p in self.model.named_parameters():
             out[name] = (p.full_tensor() if isinstance(p, DTensor) else p).detach().cpu().clone()
+        for prefix, module in self.model.named_modules():
+            for name, b in module.named_buffers(prefix=prefix, recurse=False):
+                if name.rsplit(".", 1)[-1] not in module._non_persistent_buffers_set:
+                    out[name] = b.detach().cpu().clone()
         return out

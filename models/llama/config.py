@@ -29,6 +29,8 @@ def validate(m: ModelConfig) -> None:
     if m.num_experts:
         raise ConfigError(f"model.num_experts needs model.family = \"moe\" (got {m.num_experts} "
                           f"experts for family {m.family!r})")
+    if m.router_bias_update_rate:
+        raise ConfigError("model.router_bias_update_rate needs model.family = \"moe\"")
     validate_shape(m)
 
 

@@ -26,6 +26,13 @@ def _build(cfg: ModelConfig) -> nn.Module:
     return build_model(cfg)
 
 
+def _init_weights(model: nn.Module, seed: int) -> None:
+    from models.moe.bias_balance import zero_expert_bias
+
+    LLAMA.init_weights(model, seed)
+    zero_expert_bias(model)
+
+
 def _tensor_parallel(model: nn.Module, layout: Layout, tp_mesh: DeviceMesh) -> None:
     from models.moe.sharding import apply_tensor_parallel
 
@@ -43,7 +50,7 @@ SPEC = ModelSpec(
     name="moe",
     validate=config.validate,
     build=_build,
-    init_weights=LLAMA.init_weights,
+    init_weights=_init_weights,
     tensor_parallel=_tensor_parallel,
     split_stages=LLAMA.split_stages,  # a stage is a run of layers, dense or MoE alike
     param_counts=formulas.param_counts,

@@ -45,5 +45,8 @@ def validate(m: ModelConfig) -> None:
         )
     if m.router_aux_loss_coef < 0:
         raise ConfigError(f"model.router_aux_loss_coef must be >= 0 (got {m.router_aux_loss_coef})")
+    if m.router_bias_update_rate < 0:
+        raise ConfigError(f"model.router_bias_update_rate must be >= 0 "
+                          f"(got {m.router_bias_update_rate})")
     if m.mlp_bias:
         raise ConfigError("model.mlp_bias is not supported by model.family \"moe\"")

@@ -79,11 +79,18 @@ class MoE(nn.Module):
         )
         self.exchange: Exchange = run_local_experts
         self.aux = aux
+        # DeepSeek-V3's balancing bias (models.moe.bias_balance): state, not a parameter (no
+        # gradient, no optimizer), checkpointed with the model; zero at start.
+        self.expert_bias: torch.Tensor | None
+        if cfg.router_bias_update_rate > 0:
+            self.register_buffer("expert_bias", torch.zeros(cfg.num_experts), persistent=True)
+        else:
+            self.expert_bias = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, s, h = x.shape
         flat = x.reshape(b * s, h)
-        routing = route(self.gate(flat), self.top_k, self.normalise)
+        routing = route(self.gate(flat), self.top_k, self.normalise, self.expert_bias)
         p = dispatch.plan(routing.experts, self.num_experts)
         outputs = self.exchange(dispatch.permute(flat, p), p.counts, self.experts)
         out = dispatch.combine(outputs, p, routing.weights).view(b, s, h)

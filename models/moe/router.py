@@ -1,6 +1,7 @@
 """Top-k routing and the load-balancing loss of a mixture-of-experts layer.
 
-Routing is a function of the token alone: softmax over the router's logits (in fp32), the k
+Routing is a function of the token alone (and, with auxiliary-loss-free balancing, of a
+per-expert bias every rank holds alike): softmax over the router's logits (in fp32), the k
 largest probabilities, optionally renormalised to sum to 1 (Mixtral and Qwen-MoE's
 `norm_topk_prob`). No capacity, no token dropping and no batch statistics enter it, so any
 layout that holds a token routes it to the same experts with the same weights.
@@ -27,10 +28,18 @@ class Routing:
     probs: torch.Tensor  # (..., E) fp32 softmax over all experts (for the balancing loss)
 
 
-def route(logits: torch.Tensor, top_k: int, normalise: bool) -> Routing:
-    """`logits` (..., E) → the top-k experts of every token and their weights."""
+def route(logits: torch.Tensor, top_k: int, normalise: bool,
+          bias: torch.Tensor | None = None) -> Routing:
+    """`logits` (..., E) → the top-k experts of every token and their weights.
+
+    `bias` (E,), DeepSeek-V3's auxiliary-loss-free balancing (models.moe.bias_balance): it
+    shifts which experts are chosen, never the weights, which stay the chosen probabilities."""
     probs = F.softmax(logits.float(), dim=-1)
-    weights, experts = probs.topk(top_k, dim=-1)
+    if bias is None:
+        weights, experts = probs.topk(top_k, dim=-1)
+    else:
+        experts = (probs + bias).topk(top_k, dim=-1).indices
+        weights = probs.gather(-1, experts)
     if normalise:
         weights = weights / weights.sum(dim=-1, keepdim=True)
     return Routing(weights, experts, probs)
