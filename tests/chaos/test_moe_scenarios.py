@@ -20,9 +20,10 @@ from tests.chaos.runner import ChaosRun
 pytestmark = pytest.mark.chaos
 
 TRIGGER = 10  # just past the step-8 checkpoint (every 4)
-# 4 experts of width 32, top-2, a balancing loss that moves the router within a few steps.
+# 4 experts of width 32, top-2, a balancing loss and an expert bias (models.moe.bias_balance,
+# restored from the snapshots too) that move the routing within a few steps.
 MOE = {"family": "moe", "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
-       "router_aux_loss_coef": 0.05}
+       "router_aux_loss_coef": 0.05, "router_bias_update_rate": 0.05}
 
 
 def _eps(run: ChaosRun) -> list[tuple[int, int]]:
