@@ -299,6 +299,9 @@ def main() -> int:
         delay = None
         if gp.exit:
             _log("the agent says exit")
+            # Free a failed generation's world now: freed by interpreter shutdown instead, its
+            # gloo threads can abort the process (exit -6 for an orderly exit).
+            teardown.release()
             beat.stop()
             link.close()
             return 0
