@@ -51,13 +51,16 @@ class AdminService(pb_grpc.AgentServicer):
             layout = pb.Layout(dp=plan.layout.dp, tp=plan.layout.tp, pp=plan.layout.pp,
                                cp=plan.layout.cp)
         state, reason = job_state(view)
-        job = view.job_spec.config.get("job", {}).get("name", "") if view.spec else ""
+        config = view.job_spec.config if view.spec else {}
+        job = config.get("job", {}).get("name", "")
+        total = config.get("train", {}).get("steps", 0)
         return pb.Status(
             job=str(job), node=self.host.node_id, state=state.value, reason=reason,
             agent_state=self.host.agent_state, generation=view.generation,
             step=progress.step, world_size=plan.world_size if plan else 0, layout=layout,
             leader=view.leader_node, consumed_samples=progress.consumed_samples,
             loss=progress.loss, finished=state == JobState.FINISHED, nodes=len(view.nodes),
+            total_steps=total if isinstance(total, int) else 0,
         )
 
     async def ListNodes(self, request: pb.ListNodesRequest,

@@ -278,7 +278,8 @@ def run(args: argparse.Namespace) -> int:
             status = _call(cluster, token, "GetStatus", pb.GetStatusRequest())
             assert isinstance(status, pb.Status)
             if status.step != last or tty:
-                _show(status, job.train.steps, started, sys.stderr, tty)
+                # The stored job's total: a job submitted later has its own.
+                _show(status, status.total_steps or job.train.steps, started, sys.stderr, tty)
                 last = status.step
             end = "\n" if tty else ""
             if status.state == "finished":

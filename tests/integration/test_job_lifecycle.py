@@ -190,6 +190,9 @@ def test_get_logs_cancel_wait_and_submit_again(local, tmp_path: Path) -> None:
     text = log.read_text()
     assert "ultrad local: job cancelled (cancelled at step" in text
     assert "ultrad local: job finished" in text
+    # The progress lines count toward the job submitted now, not the first job's total.
+    second = text.split("ultrad local: job cancelled", 1)[1]
+    assert "step 0/3 " in second and "/100000" not in second, second[-2000:]
 
 
 @pytest.fixture

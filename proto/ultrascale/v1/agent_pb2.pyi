@@ -24,7 +24,7 @@ class Layout(_message.Message):
     def __init__(self, dp: _Optional[int] = ..., tp: _Optional[int] = ..., pp: _Optional[int] = ..., cp: _Optional[int] = ...) -> None: ...
 
 class Status(_message.Message):
-    __slots__ = ("job", "node", "state", "generation", "step", "world_size", "layout", "leader", "consumed_samples", "loss", "finished", "nodes", "reason", "agent_state")
+    __slots__ = ("job", "node", "state", "generation", "step", "world_size", "layout", "leader", "consumed_samples", "loss", "finished", "nodes", "reason", "agent_state", "total_steps")
     JOB_FIELD_NUMBER: _ClassVar[int]
     NODE_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
@@ -39,6 +39,7 @@ class Status(_message.Message):
     NODES_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
     AGENT_STATE_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_STEPS_FIELD_NUMBER: _ClassVar[int]
     job: str
     node: str
     state: str
@@ -53,7 +54,8 @@ class Status(_message.Message):
     nodes: int
     reason: str
     agent_state: str
-    def __init__(self, job: _Optional[str] = ..., node: _Optional[str] = ..., state: _Optional[str] = ..., generation: _Optional[int] = ..., step: _Optional[int] = ..., world_size: _Optional[int] = ..., layout: _Optional[_Union[Layout, _Mapping]] = ..., leader: _Optional[str] = ..., consumed_samples: _Optional[int] = ..., loss: _Optional[float] = ..., finished: _Optional[bool] = ..., nodes: _Optional[int] = ..., reason: _Optional[str] = ..., agent_state: _Optional[str] = ...) -> None: ...
+    total_steps: int
+    def __init__(self, job: _Optional[str] = ..., node: _Optional[str] = ..., state: _Optional[str] = ..., generation: _Optional[int] = ..., step: _Optional[int] = ..., world_size: _Optional[int] = ..., layout: _Optional[_Union[Layout, _Mapping]] = ..., leader: _Optional[str] = ..., consumed_samples: _Optional[int] = ..., loss: _Optional[float] = ..., finished: _Optional[bool] = ..., nodes: _Optional[int] = ..., reason: _Optional[str] = ..., agent_state: _Optional[str] = ..., total_steps: _Optional[int] = ...) -> None: ...
 
 class ListNodesRequest(_message.Message):
     __slots__ = ()
