@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, NewType, Union
 
-from parallel import bounded_toml
+from parallel import bounded_toml, mesh_dims
 
 
 class ConfigError(ValueError):
@@ -159,10 +159,10 @@ class ParallelConfig:
     replan: tuple[str, ...] = ()
 
 
-# What a layout search may choose besides dp (parallel.layout_search).
+# What a layout search may choose besides dp (parallel.layout_search): the searchable mesh
+# dimensions (parallel.mesh_dims), then the other knobs of a layout.
 REPLAN_DIMS = (
-    "tp", "pp", "cp", "zero", "sequence_parallel", "pp_schedule", "recompute", "micro_batch",
-    "ep",
+    *mesh_dims.SEARCHABLE, "zero", "sequence_parallel", "pp_schedule", "recompute", "micro_batch",
 )
 
 
@@ -417,7 +417,7 @@ def validate(cfg: JobConfig) -> None:
             raise ConfigError(f"train.{key} must be in [0, 1) (got {getattr(t, key)})")
     if p.dp != "auto":
         _positive("parallel.dp", p.dp)
-    for key in ("tp", "pp", "cp", "ep", "virtual_stages", "micro_batch"):
+    for key in (*(n for n in mesh_dims.NAMES if n != "dp"), "virtual_stages", "micro_batch"):
         _positive(f"parallel.{key}", getattr(p, key))
     if p.micro_batch > t.global_batch:
         raise ConfigError(

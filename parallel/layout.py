@@ -11,6 +11,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from parallel import mesh_dims
 from parallel.job import ConfigError, JobConfig
 
 PP_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble")
@@ -35,12 +36,12 @@ class Layout:
     mixed_precision: str = "fp32"
 
     def __post_init__(self) -> None:
-        for name in ("dp", "tp", "pp", "cp", "ep", "virtual_stages", "micro_batch", "grad_accum"):
+        for name in (*mesh_dims.NAMES, "virtual_stages", "micro_batch", "grad_accum"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"layout.{name} must be >= 1 (got {getattr(self, name)})")
-        if self.dp % self.ep:
-            raise ConfigError(f"parallel.ep must divide dp: expert parallelism takes its ranks "
-                              f"from data parallelism (got ep {self.ep}, dp {self.dp})")
+        problem = mesh_dims.nesting_problem(mesh_dims.sizes(self))
+        if problem:
+            raise ConfigError(problem)
         if self.zero not in (1, 2, 3):
             raise ConfigError(f"layout.zero must be 1, 2 or 3 (got {self.zero})")
         if self.pp_schedule not in PP_SCHEDULES:
@@ -58,7 +59,7 @@ class Layout:
 
     @property
     def world_size(self) -> int:
-        return self.dp * self.tp * self.pp * self.cp
+        return math.prod(getattr(self, name) for name in mesh_dims.DEVICE_DIMS)
 
     @property
     def samples_per_step(self) -> int:
@@ -169,9 +170,9 @@ def check_experts(job: JobConfig, dp: int) -> None:
     if p.ep > 1 and m.family != "moe":
         raise ConfigError(f"parallel.ep > 1 needs model.family = \"moe\" (got ep {p.ep}, "
                           f"family {m.family!r})")
-    if dp % p.ep:
-        raise ConfigError(f"parallel.ep must divide dp: expert parallelism takes its ranks from "
-                          f"data parallelism (got ep {p.ep}, dp {dp})")
+    problem = mesh_dims.nesting_problem(mesh_dims.sizes(dataclasses.replace(p, dp=dp)))
+    if problem:
+        raise ConfigError(problem)
     if m.family != "moe":
         return
     if m.num_experts % p.ep:

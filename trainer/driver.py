@@ -25,6 +25,7 @@ from checkpoint.durable import CheckpointManager
 from checkpoint.manifest import checkpoint_dir
 from checkpoint.snapshot_reader import Fetch
 from models.hf_config import hf_dir
+from parallel import mesh_dims
 from parallel.job import JobConfig
 from parallel.job_paths import job_path
 from parallel.layout import Layout
@@ -87,11 +88,7 @@ class StepLog:
                 "consumed_samples": r.consumed_samples,
                 "generation": generation,
                 "world_size": world_size,
-                "dp": layout.dp,
-                "tp": layout.tp,
-                "pp": layout.pp,
-                "cp": layout.cp,
-                "ep": layout.ep,
+                **mesh_dims.sizes(layout),
                 "step_seconds": round(r.step_seconds, 6),
                 **step_record(r),
                 "time": time.time(),

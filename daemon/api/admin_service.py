@@ -19,6 +19,7 @@ from daemon.control.keys import Keys
 from daemon.control.records import ENDED, ControlOp, ControlRequest, JobState, NodeState
 from daemon.control.view import ClusterView
 from parallel import job as jobmod
+from parallel import mesh_dims
 from proto.ultrascale.v1 import agent_pb2 as pb
 from proto.ultrascale.v1 import agent_pb2_grpc as pb_grpc
 
@@ -48,8 +49,7 @@ class AdminService(pb_grpc.AgentServicer):
         plan, progress = view.plan, view.progress
         layout = pb.Layout()
         if plan is not None:
-            layout = pb.Layout(dp=plan.layout.dp, tp=plan.layout.tp, pp=plan.layout.pp,
-                               cp=plan.layout.cp)
+            layout = pb.Layout(**mesh_dims.sizes(plan.layout))
         state, reason = job_state(view)
         config = view.job_spec.config if view.spec else {}
         job = config.get("job", {}).get("name", "")

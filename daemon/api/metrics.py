@@ -28,6 +28,7 @@ from daemon import __version__
 from daemon.api.expert_metrics import ExpertMetrics
 from daemon.control.records import CheckpointRecord, JobState, Progress, RestoreRecord
 from daemon.recovery_phases import PHASES, Recovery
+from parallel import mesh_dims
 from parallel.planner import Plan
 from proto.ultrascale.v1 import agent_pb2 as pb
 
@@ -128,7 +129,7 @@ class Metrics:
         self.build.info({"version": __version__, "python": platform.python_version()})
         # process_start_time_seconds: how alerts see an agent that keeps restarting.
         ProcessCollector(registry=r)
-        for dim in ("dp", "tp", "pp", "cp", "ep"):
+        for dim in mesh_dims.NAMES:
             self.mesh_size.labels(dim=dim).set(0)
         for reason in REASONS:
             self.membership_changes.labels(reason=reason)
@@ -160,7 +161,7 @@ class Metrics:
         self._generation, self._last_step = plan.generation, plan.restore.step
         self.generation.set(plan.generation)
         self.world_size.set(plan.world_size)
-        for dim in ("dp", "tp", "pp", "cp", "ep"):
+        for dim in mesh_dims.NAMES:
             self.mesh_size.labels(dim=dim).set(getattr(plan.layout, dim))
         self.bubble.labels(source="predicted").set(plan.predicted.bubble_ratio)
         for kind in MEMORY_KINDS:

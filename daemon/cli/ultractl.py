@@ -47,6 +47,7 @@ from daemon.cli.ctlconnect import Agents, TargetError, TLSFiles, Unreachable, re
 from daemon.cli.ctlerrors import EXIT_FAILURE, EXIT_OK, EXIT_UNREACHABLE, EXIT_USAGE, CtlError
 from daemon.control.etcd_members import EtcdUnreachable
 from parallel import job as jobmod
+from parallel import mesh_dims
 from parallel.cli_common import Parser, add_version
 from parallel.planner import Plan
 from proto.ultrascale.v1 import agent_pb2 as pb
@@ -214,8 +215,7 @@ def _status_table(s: dict[str, Any]) -> Iterable[str]:
         ["AGENT", f"{s['node']} ({s['agent_state']})"],
         ["GENERATION", str(s["generation"])],
         ["STEP", str(s["step"])], ["LOSS", f"{s['loss']:.4f}"],
-        ["WORLD", f"{s['world_size']} (dp {lay['dp']} tp {lay['tp']} pp {lay['pp']} "
-                  f"cp {lay['cp']})"],
+        ["WORLD", f"{s['world_size']} ({' '.join(f'{k} {v}' for k, v in lay.items())})"],
         ["LEADER", s["leader"] or "-"], ["NODES", str(s["nodes"])],
         ["FINISHED", "yes" if s["finished"] else "no"],
     ])
@@ -347,7 +347,7 @@ def run(args: argparse.Namespace) -> int:
         return lifecycle_run(stub, md)
     if args.command == "status":
         s = _dict(stub.GetStatus(pb.GetStatusRequest(), timeout=t, metadata=md))
-        s["layout"] = {k: s["layout"].get(k, 0) for k in ("dp", "tp", "pp", "cp")}
+        s["layout"] = {k: s["layout"].get(k, 0) for k in mesh_dims.NAMES}
         _emit(s, out, _status_table)
     elif args.command == "nodes":
         reply = stub.ListNodes(pb.ListNodesRequest(), timeout=t, metadata=md)

@@ -24,7 +24,7 @@ def test_status_nodes_and_plan(shared_cluster: Cluster) -> None:
     status = json.loads(c.ctl("-o", "json", "status").stdout)
     assert {"job", "state", "generation", "step", "world_size", "layout"} <= set(status)
     assert status["job"] == "tiny" and status["generation"] >= 1 and status["world_size"] == 3
-    assert status["layout"] == {"dp": 3, "tp": 1, "pp": 1, "cp": 1}
+    assert status["layout"] == {"dp": 3, "tp": 1, "pp": 1, "cp": 1, "ep": 1}
     nodes = json.loads(c.ctl("-o", "json", "nodes").stdout)
     assert [n["node"] for n in nodes] == ["n1", "n2", "n3"]
     for n in nodes:

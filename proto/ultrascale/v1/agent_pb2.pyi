@@ -12,16 +12,18 @@ class GetStatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class Layout(_message.Message):
-    __slots__ = ("dp", "tp", "pp", "cp")
+    __slots__ = ("dp", "tp", "pp", "cp", "ep")
     DP_FIELD_NUMBER: _ClassVar[int]
     TP_FIELD_NUMBER: _ClassVar[int]
     PP_FIELD_NUMBER: _ClassVar[int]
     CP_FIELD_NUMBER: _ClassVar[int]
+    EP_FIELD_NUMBER: _ClassVar[int]
     dp: int
     tp: int
     pp: int
     cp: int
-    def __init__(self, dp: _Optional[int] = ..., tp: _Optional[int] = ..., pp: _Optional[int] = ..., cp: _Optional[int] = ...) -> None: ...
+    ep: int
+    def __init__(self, dp: _Optional[int] = ..., tp: _Optional[int] = ..., pp: _Optional[int] = ..., cp: _Optional[int] = ..., ep: _Optional[int] = ...) -> None: ...
 
 class Status(_message.Message):
     __slots__ = ("job", "node", "state", "generation", "step", "world_size", "layout", "leader", "consumed_samples", "loss", "finished", "nodes", "reason", "agent_state", "total_steps")
