@@ -17,6 +17,8 @@ What changes, applied by `apply_context_parallel` to the single-device model:
 - the data (trainer.data.step_micro_batches) gives each rank its zig-zag share of inputs and
   targets. The loss needs no change: each rank sums its tokens' losses and divides by the
   step's global token count, and gradients are summed over dp × cp (parallel.mesh.data_mesh).
+- the moe family's per-sequence balancing loss (models.moe.aux_loss) sums its expert counts
+  over the cp group, so each rank's share adds up to the whole sequences' loss.
 """
 
 from __future__ import annotations
@@ -92,3 +94,6 @@ def apply_context_parallel(model: nn.Module, cp_mesh: DeviceMesh) -> None:
         attn = block.self_attn
         attn.core = RingCore(ring)
         attn.register_forward_pre_hook(GlobalRotary(ring.size, ring.rank))
+    router_aux = getattr(model, "router_aux", None)
+    if router_aux is not None:
+        router_aux.shard_sequences(cp_mesh.get_group(), cp_mesh.size())

@@ -9,9 +9,14 @@ and FSDP2 they are data-parallel ranks like the dp ones. With cp > 1 that group 
 "dp_cp" dim of the mesh; `data_mesh` returns it (the plain dp dim at cp 1).
 
 Expert parallelism (parallel.expert_parallel) splits dp in two, dp = edp x ep with ep inner:
-the mesh is then built on (pp, edp, ep, cp, tp) and "dp" is the flattened (edp, ep), so dp
-ranks, the data split and everything reducing over dp are as without ep. Routed experts are
-sharded over "ep" and their gradients reduced over "edp" (`expert_data_mesh`).
+the mesh is then built on (pp, edp, cp, ep, tp) and "dp" is the flattened (edp, ep), so dp
+ranks, the data split and everything reducing over dp are as without ep. ep sits inside cp
+so that the experts' ZeRO group, the flattened (edp, cp) "edp_cp", comes before "ep" in the
+mesh: FSDP2 and ZeRO-1 slice the root mesh as (edp_cp, ep), which DeviceMesh only allows in
+ascending dim order. At cp 1 the ranks are placed exactly as with (pp, edp, ep, cp, tp).
+Routed experts are sharded over "ep" and their gradients reduced over the ranks holding the
+same experts, edp x cp (`expert_data_mesh`): the cp ranks of a replica hold other tokens of
+the same sequences, whose gradients add up like other samples'.
 
 Every sub-group gets the job's process-group timeout. `init_device_mesh` otherwise creates
 them with torch's default (30 minutes), whatever the default group's timeout: a rank that
@@ -29,8 +34,9 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from parallel.layout import Layout
 
 MESH_DIMS = ("pp", "dp", "cp", "tp")
-EXPERT_MESH_DIMS = ("pp", "edp", "ep", "cp", "tp")
+EXPERT_MESH_DIMS = ("pp", "edp", "cp", "ep", "tp")
 DATA_DIM = "dp_cp"
+EXPERT_DATA_DIM = "edp_cp"
 
 
 def _timeout_options(device_type: str, timeout: timedelta) -> C10dBackend.Options:
@@ -51,7 +57,7 @@ def _timeout_options(device_type: str, timeout: timedelta) -> C10dBackend.Option
 def build_mesh(layout: Layout, device_type: str, timeout: timedelta) -> DeviceMesh:
     if layout.ep > 1:
         dims = EXPERT_MESH_DIMS
-        shape: tuple[int, ...] = (layout.pp, layout.dp // layout.ep, layout.ep, layout.cp,
+        shape: tuple[int, ...] = (layout.pp, layout.dp // layout.ep, layout.cp, layout.ep,
                                   layout.tp)
     else:
         dims, shape = MESH_DIMS, (layout.pp, layout.dp, layout.cp, layout.tp)
@@ -64,9 +70,17 @@ def build_mesh(layout: Layout, device_type: str, timeout: timedelta) -> DeviceMe
     if layout.ep > 1:
         mesh["edp", "ep"]._flatten("dp", _timeout_options(device_type, timeout))
     if layout.cp > 1:
-        # Created here, once, with the timeout; `data_mesh` finds it again by name.
-        mesh["dp", "cp"]._flatten(DATA_DIM, _timeout_options(device_type, timeout))
+        # Created here, once, with the timeout; `data_mesh` and `expert_data_mesh` find them
+        # again by name.
+        _data_dims(mesh)._flatten(DATA_DIM, _timeout_options(device_type, timeout))
+        if layout.ep > 1:
+            mesh["edp", "cp"]._flatten(EXPERT_DATA_DIM, _timeout_options(device_type, timeout))
     return mesh
+
+
+def _data_dims(mesh: DeviceMesh) -> DeviceMesh:
+    """The (not yet flattened) dims of dp x cp: (dp, cp), or (edp, cp, ep) under ep."""
+    return mesh["edp", "cp", "ep"] if has_experts_dim(mesh) else mesh["dp", "cp"]
 
 
 def data_mesh(mesh: DeviceMesh) -> DeviceMesh:
@@ -74,13 +88,15 @@ def data_mesh(mesh: DeviceMesh) -> DeviceMesh:
     if mesh["cp"].size() == 1:
         return mesh["dp"]
     # Flattening again under the same name returns the mesh build_mesh made.
-    return mesh["dp", "cp"]._flatten(DATA_DIM)
+    return _data_dims(mesh)._flatten(DATA_DIM)
 
 
 def expert_data_mesh(mesh: DeviceMesh) -> DeviceMesh:
-    """The ranks a routed expert's gradient reduces over: dp / ep ("edp"); with cp > 1 it would
-    be edp x cp (refused for now by parallel.layout.check_experts)."""
-    return mesh["edp"]
+    """The ranks a routed expert's gradient reduces over, those holding the same experts:
+    dp / ep ("edp"), times cp when cp > 1 ("edp_cp")."""
+    if mesh["cp"].size() == 1:
+        return mesh["edp"]
+    return mesh["edp", "cp"]._flatten(EXPERT_DATA_DIM)
 
 
 def has_experts_dim(mesh: DeviceMesh) -> bool:

@@ -12,13 +12,19 @@ whatever dp, ep and the micro-batch size. Its gradient enters through the layer'
 identity whose backward also hands the loss a gradient of 1), so it needs no path of its own to
 the loss: the layer's backward, which FSDP and the pipeline already schedule, carries it.
 Outside `begin`/`end` (evaluation) no auxiliary loss is computed.
+
+Under context parallelism each rank holds a share of every sequence (`shard_sequences`): the
+per-sequence expert counts are summed over the cp group in each MoE layer's forward, and each
+rank adds its share of the loss (models.moe.router.load_balancing_loss), so the loss summed
+over cp, and its gradient, are those of the whole sequences.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 
-from models.moe.router import load_balancing_loss
+from models.moe.router import expert_counts, load_balancing_loss
 
 
 class _AddLossGradient(torch.autograd.Function):
@@ -50,6 +56,13 @@ class RouterAuxLoss:
         self.rows = 0  # rows per micro-batch; 0: all of row_weights
         self.micro_batch: int | None = None
         self.loads: dict[int, torch.Tensor] = {}  # MoE layer index -> copies per expert
+        # Context parallelism: the ranks sharing each sequence, and how many shares it has.
+        self.sequence_group: dist.ProcessGroup | None = None
+        self.sequence_shards = 1
+
+    def shard_sequences(self, group: dist.ProcessGroup, shards: int) -> None:
+        """Every sequence is split over the `shards` ranks of `group` (context parallelism)."""
+        self.sequence_group, self.sequence_shards = group, shards
 
     def begin(self, row_weights: torch.Tensor, rows: int = 0,
               counted: torch.Tensor | None = None) -> None:
@@ -89,6 +102,14 @@ class RouterAuxLoss:
                                f"for its {b} rows ({self.row_weights.shape[0]} in the step)")
         load = torch.bincount(experts[counted].reshape(-1), minlength=probs.shape[-1])
         self.loads[layer] = self.loads[layer] + load if layer in self.loads else load
-        loss = (load_balancing_loss(probs, experts) * weights).sum()
+        if self.sequence_group is None:
+            per_sequence = load_balancing_loss(probs, experts)
+        else:
+            # f needs the whole sequence's counts (integers: an exact sum); P is this share's.
+            counts = expert_counts(experts, probs.shape[-1])
+            dist.all_reduce(counts, group=self.sequence_group)
+            per_sequence = load_balancing_loss(probs, experts, counts,
+                                               probs.shape[1] * self.sequence_shards)
+        loss = (per_sequence * weights).sum()
         self.total = self.total + loss.detach()
         return _AddLossGradient.apply(out, loss)

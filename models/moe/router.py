@@ -8,9 +8,10 @@ layout that holds a token routes it to the same experts with the same weights.
 
 The load-balancing loss is the Switch Transformer / Mixtral form, E · Σ_e f_e · P_e, with f_e the
 share of the k·T routed copies that went to expert e and P_e the mean router probability of e
-over T tokens (1 when perfectly balanced). f and P are taken per sequence: a sequence is the unit
-every supported layout keeps whole on one rank, so the loss does not depend on dp, ep or the
-micro-batch size (a batch-wide f·P would).
+over T tokens (1 when perfectly balanced). f and P are taken per sequence, so the loss does not
+depend on dp, ep or the micro-batch size (a batch-wide f·P would). Context parallelism splits a
+sequence over the cp ranks: they then sum f's counts over cp, and each computes its share of
+the loss with its own tokens' part of P (`load_balancing_loss(counts=, seq_len=)`).
 """
 
 from __future__ import annotations
@@ -45,13 +46,30 @@ def route(logits: torch.Tensor, top_k: int, normalise: bool,
     return Routing(weights, experts, probs)
 
 
-def load_balancing_loss(probs: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+def expert_counts(experts: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """experts (batch, seq, k) → (batch, E) int64: each sequence's routed copies per expert."""
+    return F.one_hot(experts, num_experts).sum(dim=(-3, -2))
+
+
+def load_balancing_loss(probs: torch.Tensor, experts: torch.Tensor,
+                        counts: torch.Tensor | None = None,
+                        seq_len: int | None = None) -> torch.Tensor:
     """Per-sequence balancing loss: probs (batch, seq, E), experts (batch, seq, k) → (batch,).
 
-    E · Σ_e f_e · P_e; f carries no gradient (it counts), P does (it steers the router)."""
+    E · Σ_e f_e · P_e; f carries no gradient (it counts), P does (it steers the router).
+
+    A share of each sequence (context parallelism): `counts` (batch, E) are the whole
+    sequences' copies per expert and `seq_len` their length; the result is then this share's
+    part E · Σ_e f_e · (Σ_{its tokens} p_e) / seq_len, and the parts of all shares add up to
+    the whole sequences' loss (P is a sum over tokens, f the same constant on every share), as
+    does their gradient: each token's probability gets E · f_e / seq_len either way.
+    """
     num_experts = probs.shape[-1]
-    seq, k = experts.shape[-2], experts.shape[-1]
-    counts = F.one_hot(experts, num_experts).sum(dim=(-3, -2)).to(probs.dtype)  # (batch, E)
-    share = counts / (seq * k)
-    mean_prob = probs.mean(dim=-2)
-    return num_experts * (share * mean_prob).sum(dim=-1)
+    k = experts.shape[-1]
+    if counts is None:
+        seq = experts.shape[-2]
+        share = expert_counts(experts, num_experts).to(probs.dtype) / (seq * k)
+        return num_experts * (share * probs.mean(dim=-2)).sum(dim=-1)
+    assert seq_len is not None, "counts of whole sequences need their length"
+    share = counts.to(probs.dtype) / (seq_len * k)
+    return num_experts * (share * (probs.sum(dim=-2) / seq_len)).sum(dim=-1)

@@ -29,15 +29,23 @@ MOE = {"family": "moe", "num_experts": 4, "num_experts_per_tok": 2, "moe_interme
 SHARED = MOE | {"num_hidden_layers": 3, "first_k_dense_replace": 1, "num_shared_experts": 1}
 
 
-def _job(tmp_path_factory, token_file, model: dict):
+def _job(tmp_path_factory, token_file, model: dict, **sections: dict):
     path = tmp_path_factory.mktemp("moe") / "job.toml"
-    path.write_text(small_job_text(token_file, model=model))
+    path.write_text(small_job_text(token_file, model=model, **sections))
     return path
 
 
 @pytest.fixture(scope="module")
 def moe_job(tmp_path_factory, token_file):
     return _job(tmp_path_factory, token_file, MOE)
+
+
+@pytest.fixture(scope="module")
+def cp_job(tmp_path_factory, token_file):
+    """Adam eps 1e-6, as in test_context_parallel.py: ring attention sums each softmax block by
+    block, and with eps 1e-8 Adam turns that rounding on elements whose gradient is near zero
+    into updates of up to lr (lm_head then drifts by 1.5e-5 relative in 6 steps)."""
+    return _job(tmp_path_factory, token_file, MOE, train={"eps": 1e-6})
 
 
 @pytest.fixture(scope="module")
@@ -53,6 +61,11 @@ def _reference(job):
 @pytest.fixture(scope="module")
 def moe_reference(moe_job):
     return _reference(moe_job)
+
+
+@pytest.fixture(scope="module")
+def cp_reference(cp_job):
+    return _reference(cp_job)
 
 
 @pytest.fixture(scope="module")
@@ -177,7 +190,7 @@ def test_ep2_pp2_matches_single_process(moe_job, moe_reference, tmp_path):
     )
     assert result.returncode == 0, result.stderr[-3000:]
     assert re.search(r"'dp': 2, 'tp': 1, 'pp': 2, 'cp': 1, 'ep': 2", result.stderr)
-    _assert_steps(result.steps, moe_reference)
+    _assert_steps(result.steps, cp_reference)
     assert_params_close(final_model_state(ckpt / f"step_{STEPS:08d}", tmp_path), ref_params, RTOL)
 
 
@@ -196,4 +209,23 @@ def test_ep2_tp2_matches_single_process(zero, shared_job, shared_reference, tmp_
     assert result.returncode == 0, result.stderr[-3000:]
     assert re.search(r"'dp': 2, 'tp': 2, 'pp': 1, 'cp': 1, 'ep': 2", result.stderr)
     _assert_steps(result.steps, shared_reference)
+    assert_params_close(final_model_state(ckpt / f"step_{STEPS:08d}", tmp_path), ref_params, RTOL)
+
+
+@pytest.mark.parametrize("zero", [1, 3])
+def test_ep2_cp2_matches_single_process(zero, cp_job, cp_reference, tmp_path):
+    """cp 2 x dp 2 (= ep 2): each rank holds half of every sequence (zig-zag); the balancing
+    loss sums its per-sequence expert counts over cp, and the experts' gradients reduce over
+    the ranks holding the same experts, edp x cp (here the cp pair)."""
+    _, ref_params, _ = cp_reference
+    ckpt = tmp_path / "ckpt"
+    result = run_trainer(
+        cp_job, 4, "--steps", str(STEPS), "--set", "parallel.ep=2", "--set", "parallel.cp=2",
+        "--set", f"parallel.zero={zero}",
+        "--checkpoint-dir", str(ckpt), "--checkpoint-every", str(STEPS),
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert re.search(rf"'dp': 2, 'tp': 1, 'pp': 1, 'cp': 2, 'ep': 2, 'zero': {zero}",
+                     result.stderr)
+    _assert_steps(result.steps, cp_reference)
     assert_params_close(final_model_state(ckpt / f"step_{STEPS:08d}", tmp_path), ref_params, RTOL)

@@ -13,7 +13,8 @@ from models import get_spec
 from models.moe import dispatch
 from models.moe.config import moe_layers
 from models.moe.formulas import moe_counts
-from models.moe.router import load_balancing_loss, route
+from models.moe.router import expert_counts, load_balancing_loss, route
+from parallel.context_parallel import zigzag_positions
 from parallel.cost_model import Hardware, step_cost
 from parallel.expert_parallel import regroup_order
 from parallel.job import ConfigError, ModelConfig, load, loads
@@ -66,6 +67,25 @@ def test_balancing_loss_by_hand():
     probs = torch.full((2, 4, 4), 0.25)
     experts = torch.tensor([[[0], [1], [2], [3]], [[3], [2], [1], [0]]])
     torch.testing.assert_close(load_balancing_loss(probs, experts), torch.ones(2))
+
+
+def test_balancing_loss_of_sequence_shares_adds_up():
+    """Context parallelism: the cp ranks' shares (each its own tokens' P with the whole
+    sequences' counts) add up to the whole sequences' loss, and so do their gradients."""
+    logits = torch.randn(2, 8, 4, generator=torch.Generator().manual_seed(5))
+    probs = logits.softmax(-1).requires_grad_()
+    experts = route(logits, 2, True).experts
+    whole = load_balancing_loss(probs, experts)
+    (grad_whole,) = torch.autograd.grad(whole.sum(), probs)
+    counts = expert_counts(experts, 4)
+    shares = [zigzag_positions(8, 2, rank) for rank in range(2)]
+    parts = [load_balancing_loss(probs[:, pos], experts[:, pos], counts, 8) for pos in shares]
+    torch.testing.assert_close(parts[0] + parts[1], whole)
+    (grad_parts,) = torch.autograd.grad(parts[0].sum() + parts[1].sum(), probs)
+    torch.testing.assert_close(grad_parts, grad_whole)
+    # A share's own counts would not do: the whole sequences' f is needed.
+    alone = [load_balancing_loss(probs[:, pos], experts[:, pos]) / 2 for pos in shares]
+    assert not torch.allclose(alone[0] + alone[1], whole)
 
 
 def test_dispatch_groups_copies_by_expert_and_combines_back():
@@ -240,7 +260,8 @@ def test_moe_config_errors_name_the_field(text, overrides, message):
         (["parallel.tp=2", "parallel.sequence_parallel=true"], 2, "sequence_parallel"),
         (["parallel.pp=2", "parallel.pp_schedule=\"zero_bubble\"", "parallel.zero=2"], 2,
          "zero_bubble"),
-        (["parallel.cp=2"], 2, "parallel.cp = 1"),
+        (["parallel.cp=2", "parallel.tp=2"], 4, "parallel.cp > 1 needs parallel.tp = 1"),
+        (["parallel.cp=2", "parallel.pp=2"], 4, "parallel.cp > 1 needs parallel.tp = 1"),
         (["parallel.recompute=\"full\""], 1, "recompute"),
         (["parallel.reproducible=true"], 1, "parallel.reproducible"),
     ],
@@ -253,6 +274,11 @@ def test_layouts_moe_cannot_run_yet_are_refused(overrides, world, message):
 def test_ep_needs_the_moe_family():
     with pytest.raises(ConfigError, match='parallel.ep > 1 needs model.family = "moe"'):
         resolve(loads('[data]\nsource = "python-stdlib"\n', ["parallel.ep=2"]), 2)
+
+
+def test_ep_with_cp_resolves():
+    layout = resolve(loads(MOE_JOB, ["parallel.ep=2", "parallel.cp=2"]), 8)
+    assert (layout.dp, layout.cp, layout.ep, layout.world_size) == (4, 2, 2, 8)
 
 
 def test_ep_is_a_factor_of_dp():
