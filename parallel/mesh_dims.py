@@ -3,8 +3,11 @@
 Each dimension is a field of `parallel.layout.Layout` and of `[parallel]`, a mesh dimension (or,
 for ep, a split of one), and a technique module that applies it. Everything that lists, checks,
 prints or exports dimensions reads `DIMS`: the layout's and the job's checks, the re-plan and
-search dimensions, the step line, `ultra_mesh_size{dim}`, `ultractl status`, and the device
-mesh (`parallel.mesh`). Adding a dimension is one entry here plus its technique module.
+search dimensions, the world size, the step line, `ultra_mesh_size{dim}`, GetStatus and
+`ultractl status`. Adding a dimension is one entry here plus its technique module, plus its
+place in the device mesh: `parallel.mesh` owns the order of the mesh's dims (tp innermost) and
+the flattened groups (dp over edp x ep, the data group over dp x cp), which are about devices,
+not about what a dimension means.
 
 Pure (no torch): the agent and the job parser import it.
 """
