@@ -14,7 +14,7 @@ from parallel.job import load
 from parallel.layout import resolve
 from parallel.memory_model import rank_memory
 from tests.compare import assert_params_close
-from tests.conftest import slow, small_job_text
+from tests.conftest import small_job_text
 from tests.distributed.reference import reference_results
 from tests.launch import final_model_state, run_trainer
 
@@ -216,8 +216,8 @@ def test_ep2_tp2_matches_single_process(zero, shared_job, shared_reference, tmp_
 @pytest.mark.parametrize(("world", "zero"), [
     pytest.param(4, 1, id="dp2-zero1"),
     pytest.param(4, 3, id="dp2-zero3"),
-    # edp 2: the experts' group is then edp x cp, 4 ranks of 8.
-    pytest.param(8, 2, id="dp4-zero2", marks=[pytest.mark.slow, slow("8 ranks")]),
+    # edp 2: the experts' group is then edp x cp, 4 ranks of 8 (about 25 s on 2 cores).
+    pytest.param(8, 2, id="dp4-zero2"),
 ])
 def test_ep2_cp2_matches_single_process(world, zero, cp_job, cp_reference, tmp_path):
     """cp 2 x dp (ep 2): each rank holds half of every sequence (zig-zag); the balancing loss
