@@ -17,6 +17,11 @@ One MoE layer's forward on ep rank r:
 4. the outputs are put back in (source, expert) order and returned by the inverse all-to-all.
 Backward is the same exchange reversed. The arithmetic of a token's copy is the same as
 without ep, in the same order, so losses match a single process (tests/distributed/test_moe_ep.py).
+
+Under parallel.reproducible (the experts have a gradient sink) step 3 runs each (source,
+local expert) block on its own instead: the same GEMMs, on the same rows, as the source's
+micro-batch runs in one process, so the outputs are the same bits; and each source's weight
+gradients go to the sink separately, to be summed exactly (parallel.reproducible).
 """
 
 from __future__ import annotations
@@ -82,6 +87,11 @@ class AllToAllExchange:
         send_splits = counts.view(self.size, local).sum(1).tolist()
         recv_splits = recv.sum(1).tolist()
         received = _AllToAll.apply(rows, recv_splits, send_splits, self.group)
+        if experts.gradient_sink is not None:
+            # parallel.reproducible: each source's rows run as their own blocks, as that
+            # micro-batch's rows run in one process, and their gradients stay apart.
+            outputs = experts(received, recv.reshape(-1).tolist(), sources=self.size)
+            return _AllToAll.apply(outputs, send_splits, recv_splits, self.group)
         order = regroup_order(recv).to(rows.device)
         outputs = experts(received[order], recv.sum(0).tolist())
         back = outputs[torch.argsort(order)]

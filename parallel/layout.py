@@ -192,9 +192,6 @@ def check_experts(job: JobConfig, dp: int) -> None:
     if p.recompute == "full":
         raise ConfigError("model.family \"moe\" does not support parallel.recompute = \"full\" "
                           "yet: a recomputed forward would count the balancing loss twice")
-    if p.reproducible:
-        raise ConfigError("model.family \"moe\" does not support parallel.reproducible yet "
-                          "(docs/moe.md)")
 
 
 def check_supported(layout: Layout) -> None:

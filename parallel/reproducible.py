@@ -13,7 +13,13 @@ Whatever dp, the ZeRO stage or the resize history, every step gives the same bit
   reduce-scatter of that buffer. Integer sums do not depend on order, so neither the
   accumulation over micro-batches nor the reduction over ranks depends on the layout.
 - Each parameter's fixed-point scale comes from micro-batch 0 of the step, which dp rank 0
-  runs in every layout: its largest |g_0| is broadcast, and HEADROOM_BITS are added. When a
+  runs in every layout: its largest |g_0| is agreed (an all-reduce MAX in which only the
+  holders of micro-batch 0's gradient take part), and HEADROOM_BITS are added.
+- Routed experts under expert parallelism (`ExpertReduction`): a rank's experts get gradients
+  from the rows of every micro-batch its ep group runs at once. Their module hands each
+  source's gradient over separately (models.moe.model.Experts.gradient_sink: the same GEMMs
+  as one process runs on that micro-batch), and they are summed like the others, in a buffer
+  of their own reduced over the ranks holding the same experts. When a
   later micro-batch exceeds that range (seen by an all-reduce MAX of every rank's maxima at
   the end of the step, the same verdict everywhere), the step runs again with the scale of the
   step's true maxima: a deterministic retry that always fits.
@@ -32,6 +38,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from models.moe.model import Experts
 from parallel.exact_sum import dequantize, exponent, quantize, shift_for
 from parallel.zero import ShardedAdamW
 
@@ -40,13 +47,21 @@ from parallel.zero import ShardedAdamW
 HEADROOM_BITS = 8
 
 
-def enable_deterministic_kernels(device: torch.device) -> None:
+def enable_deterministic_kernels(device: torch.device, one_thread: bool = False) -> None:
     """Kernels whose result depends only on their inputs and shapes (process-wide settings).
 
-    On CPU the kernels this model uses are already deterministic (checked bit for bit with 1 to
-    8 threads); `use_deterministic_algorithms` makes torch raise on any op that is not. On CUDA
-    cuBLAS needs a fixed workspace and cuDNN its deterministic algorithms.
+    On CPU the kernels the dense model uses are already deterministic (checked bit for bit with
+    1 to 8 threads); `use_deterministic_algorithms` makes torch raise on any op that is not. On
+    CUDA cuBLAS needs a fixed workspace and cuDNN its deterministic algorithms.
+
+    `one_thread` (the moe family on CPU): routed experts multiply blocks of any number of rows,
+    and MKL's sgemm rounds blocks of 5-7 and 9-11 rows differently with 1 and 2 intra-op
+    threads (measured on this machine's torch 2.13 CPU build; 64-row blocks and 12 to 199 rows
+    agree), while `python -m trainer` gives each of dp ranks cores / dp threads. One thread in
+    every layout takes the thread count out of the result.
     """
+    if one_thread and device.type == "cpu":
+        torch.set_num_threads(1)
     if device.type == "cuda":
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
         torch.backends.cudnn.deterministic = True
@@ -55,12 +70,35 @@ def enable_deterministic_kernels(device: torch.device) -> None:
 
 
 @dataclass(frozen=True)
-class _Region:
-    """Where one parameter's gradient lives in the flat (dp, per_rank) int64 buffer.
+class ExpertReduction:
+    """Routed experts sharded over ep ranks: their gradients are the ep shard's (local shape)
+    and sum over `group`, the ranks holding the same experts (edp), split along the dim ZeRO
+    shards them on (`slice_dim`: FSDP2 dim 0; ZeRO-1 the first dim ep leaves whole)."""
 
-    Row r of the buffer is what dp rank r receives from the reduce-scatter. A parameter's rows
-    (dim 0) are split over ranks as torch.chunk splits them, which is how FSDP2 and ZeRO-1
-    (parallel.zero) shard dim 0: rank r holds rows [r * chunk, (r + 1) * chunk) at `offset`.
+    group: dist.ProcessGroup | None
+    ep: int
+    slice_dim: Callable[[torch.Tensor], int]
+
+
+@dataclass(frozen=True)
+class _Reduction:
+    """One int64 buffer (size, per_rank) and the group whose reduce-scatter sums it."""
+
+    group: dist.ProcessGroup | None
+    size: int
+    rank: int
+    buffer: torch.Tensor
+
+
+@dataclass(frozen=True)
+class _Region:
+    """Where one parameter's gradient lives in the flat (size, per_rank) int64 buffer of its
+    reduction (0: dp; 1: the routed experts' group).
+
+    Row r of the buffer is what rank r receives from the reduce-scatter. A parameter's `dim`
+    (0 but for ZeRO-1's experts) is split over ranks as torch.chunk splits it, which is how
+    FSDP2 and ZeRO-1 (parallel.zero) shard it: rank r holds [r * chunk, (r + 1) * chunk) of it
+    at `offset`, the other dims in order.
     """
 
     name: str
@@ -69,11 +107,13 @@ class _Region:
     rows: int
     cols: int
     chunk: int
+    dim: int = 0
+    reduction: int = 0
 
     def add(self, buffer: torch.Tensor, q: torch.Tensor) -> None:
         if self.rows == 0:
             return
-        q = q.reshape(self.rows, self.cols)
+        q = q.movedim(self.dim, 0).reshape(self.rows, self.cols) if q.ndim else q.reshape(1, 1)
         full, rest = divmod(self.rows, self.chunk)
         if full:
             span = slice(self.offset, self.offset + self.chunk * self.cols)
@@ -86,7 +126,10 @@ class _Region:
     def local(self, row: torch.Tensor, rank: int) -> torch.Tensor:
         n = min(self.chunk, max(0, self.rows - rank * self.chunk))
         piece = row[self.offset : self.offset + n * self.cols]
-        return piece.view(n, *self.shape[1:]) if len(self.shape) else piece.view(())
+        if not len(self.shape):
+            return piece.view(())
+        rest = [d for i, d in enumerate(self.shape) if i != self.dim]
+        return piece.view(n, *rest).movedim(0, self.dim).contiguous()
 
 
 class ExactGradients:
@@ -98,27 +141,46 @@ class ExactGradients:
     """
 
     def __init__(
-        self, model: nn.Module, group: dist.ProcessGroup | None, *, micro_batches: int
+        self,
+        model: nn.Module,
+        group: dist.ProcessGroup | None,
+        *,
+        micro_batches: int,
+        experts: ExpertReduction | None = None,
     ) -> None:
         self.group = group
         self.size = dist.get_world_size(group) if group is not None else 1
         self.rank = dist.get_rank(group) if group is not None else 0
+        # dp rank of the first rank of this rank's ep group (ep is the inner part of dp), so
+        # source s of the experts' exchange is dp rank source_base + s.
+        self.ep = experts.ep if experts is not None else 1
+        self.source_base = self.rank - self.rank % self.ep
         # Terms of each sum: the micro-batches holding samples (all-padding ones add zeros).
         self.terms = micro_batches
         named = list(model.named_parameters())
         self.params = [p for _, p in named]
         self.numel = sum(p.numel() for p in self.params)
+        groups = [group] if experts is None else [group, experts.group]
+        sizes = [dist.get_world_size(g) if g is not None else 1 for g in groups]
+        ends = [0] * len(groups)
         self.regions: list[_Region] = []
-        offset = 0
         for name, p in named:
-            rows = p.shape[0] if p.ndim else 1
-            cols = p.numel() // rows if rows else 0
-            chunk = max(1, -(-rows // self.size))
-            self.regions.append(_Region(name, p.shape, offset, rows, cols, chunk))
-            offset += chunk * cols
+            shape, dim, red = p.shape, 0, 0
+            if experts is not None and _ep_sharded(p):
+                shape = torch.Size((p.shape[0] // experts.ep, *p.shape[1:]))
+                dim, red = experts.slice_dim(p), 1
+            rows = shape[dim] if len(shape) else 1
+            cols = math.prod(shape) // rows if rows else 0
+            chunk = max(1, -(-rows // sizes[red]))
+            self.regions.append(_Region(name, shape, ends[red], rows, cols, chunk, dim, red))
+            ends[red] += chunk * cols
         self._index = {name: i for i, (name, _) in enumerate(named)}
         device = self.params[0].device if self.params else torch.device("cpu")
-        self.buffer = torch.zeros(self.size, offset, dtype=torch.int64, device=device)
+        self.reductions = [
+            _Reduction(g, n, dist.get_rank(g) if g is not None else 0,
+                       torch.zeros(n, end, dtype=torch.int64, device=device))
+            for g, n, end in zip(groups, sizes, ends, strict=True)
+        ]
         self.retries = 0  # steps that ran again because a gradient left its range
         # The tensors autograd accumulates into, found as their modules run (FSDP2 swaps its
         # unsharded parameters in for forward and backward), kept alive so ids stay unique.
@@ -126,16 +188,21 @@ class ExactGradients:
         for prefix, module in model.named_modules():
             if next(module.parameters(recurse=False), None) is not None:
                 module.register_forward_pre_hook(self._discover(prefix))
+            if isinstance(module, Experts):
+                module.gradient_sink = self._source_sink(prefix)
         self.begin(None)
 
     # -- one attempt at a step -------------------------------------------------------------
 
     def begin(self, exponents: list[int | None] | None) -> None:
         """Start a step; `exponents` None agrees them from micro-batch 0 (`micro_batch_done`)."""
-        self.buffer.zero_()
+        for reduction in self.reductions:
+            reduction.buffer.zero_()
         self.maxima = [0.0] * len(self.params)
-        # (parameter index, gradient) as autograd hands them over, until the micro-batch ends.
-        self._pending: list[tuple[int, torch.Tensor]] = []
+        self.round = 0  # micro-batches of the step this rank has run
+        # (parameter index, gradient, whether it is micro-batch 0's) as autograd hands them
+        # over, until the micro-batch ends.
+        self._pending: list[tuple[int, torch.Tensor, bool]] = []
         self._agreed = exponents is not None
         self.shifts: list[int | None] = [None] * len(self.params)
         self.limits = [0.0] * len(self.params)
@@ -150,24 +217,29 @@ class ExactGradients:
 
     def micro_batch_done(self) -> None:
         """After each micro-batch's backward: convert and add its gradients. After the first
-        micro-batch of a step, agree the scale first (from dp rank 0's, i.e. micro-batch 0's)."""
-        pending, self._pending = [(i, g) for i, g in self._pending if g.numel()], []
+        micro-batch of a step, agree the scale first (from micro-batch 0's gradients)."""
+        pending, self._pending = [x for x in self._pending if x[1].numel()], []
         # One host sync for every tensor's largest |g| (aminmax: one pass, no temporary).
         largest = (
-            torch.stack([torch.stack(torch.aminmax(g)).float() for _, g in pending])
+            torch.stack([torch.stack(torch.aminmax(g)).float() for _, g, _ in pending])
             .abs()
             .amax(dim=1)
             .tolist()
             if pending
             else []
         )
-        for (i, _), value in zip(pending, largest, strict=True):
+        first = torch.zeros(len(self.params), dtype=torch.float64)
+        for (i, _, is_first), value in zip(pending, largest, strict=True):
             # A non-finite gradient is reported by settle(), on every rank at once.
-            self.maxima[i] = max(self.maxima[i], value if math.isfinite(value) else math.inf)
+            value = value if math.isfinite(value) else math.inf
+            self.maxima[i] = max(self.maxima[i], value)
+            if is_first:
+                first[i] = max(float(first[i]), value)
         if not self._agreed:
-            first = torch.tensor(self.maxima, dtype=torch.float64)
+            # Micro-batch 0's maxima: dp rank 0's for most parameters; for routed experts under
+            # ep, those its ep group computed from dp rank 0's rows. The others add zeros.
             if self.group is not None:
-                dist.broadcast(first, group=self.group, group_src=0)  # micro-batch 0's maxima
+                dist.all_reduce(first, op=dist.ReduceOp.MAX, group=self.group)
             self._use(
                 [
                     exponent(v) + HEADROOM_BITS if 0.0 < v < math.inf else None
@@ -175,11 +247,13 @@ class ExactGradients:
                 ]
             )
             self._agreed = True
-        for (i, grad), value in zip(pending, largest, strict=True):
+        self.round += 1
+        for (i, grad, _), value in zip(pending, largest, strict=True):
             shift = self.shifts[i]
             # Zero adds nothing; out of range (or non-finite) makes settle() run the step again.
             if shift is not None and 0.0 < value < self.limits[i]:
-                self.regions[i].add(self.buffer, quantize(grad, shift))
+                region = self.regions[i]
+                region.add(self.reductions[region.reduction].buffer, quantize(grad, shift))
 
     def settle(self) -> list[int | None] | None:
         """After the last micro-batch: None when every gradient fitted, else the exponents of
@@ -196,15 +270,19 @@ class ExactGradients:
         return [exponent(v) if v > 0.0 else None for v in values]
 
     def reduce(self) -> list[torch.Tensor]:
-        """This rank's shard (torch.chunk of dim 0) of every parameter's summed gradient."""
-        if self.size > 1:
-            row = torch.empty(self.buffer.shape[1], dtype=torch.int64, device=self.buffer.device)
-            dist.reduce_scatter_tensor(row, self.buffer.view(-1), group=self.group)
-        else:
-            row = self.buffer[0]
+        """This rank's shard (torch.chunk of its region's dim) of every parameter's summed
+        gradient (of its ep shard, for routed experts under ep)."""
+        rows = []
+        for r in self.reductions:
+            if r.size > 1:
+                row = torch.empty(r.buffer.shape[1], dtype=torch.int64, device=r.buffer.device)
+                dist.reduce_scatter_tensor(row, r.buffer.view(-1), group=r.group)
+            else:
+                row = r.buffer[0]
+            rows.append(row)
         out = []
         for region, shift, p in zip(self.regions, self.shifts, self.params, strict=True):
-            piece = region.local(row, self.rank)
+            piece = region.local(rows[region.reduction], self.reductions[region.reduction].rank)
             if shift is None:  # no gradient anywhere
                 out.append(torch.zeros(piece.shape, dtype=p.dtype, device=piece.device))
             else:
@@ -231,9 +309,29 @@ class ExactGradients:
         def hook(tensor: torch.Tensor) -> None:
             grad, tensor.grad = tensor.grad, None
             if grad is not None:
-                self._pending.append((i, grad.to_local() if isinstance(grad, DTensor) else grad))
+                local = grad.to_local() if isinstance(grad, DTensor) else grad
+                self._pending.append((i, local, self.round == 0 and self.rank == 0))
 
         return hook
+
+    def _source_sink(self, prefix: str) -> Callable[[int, tuple[torch.Tensor, ...]], None]:
+        """An Experts module's gradients from the rows of source s of its exchange (dp rank
+        source_base + s; itself without ep), one micro-batch's each."""
+        indices = [self._index[f"{prefix}.{name}" if prefix else name] for name in Experts.PARAMS]
+
+        @torch.no_grad()
+        def sink(source: int, grads: tuple[torch.Tensor, ...]) -> None:
+            first = self.round == 0 and self.source_base + source == 0
+            for i, grad in zip(indices, grads, strict=True):
+                if grad is not None:
+                    self._pending.append((i, grad, first))
+
+        return sink
+
+
+def _ep_sharded(p: torch.Tensor) -> bool:
+    """A routed expert's tensor under expert parallelism (sharded over the "ep" mesh dim)."""
+    return isinstance(p, DTensor) and "ep" in (p.device_mesh.mesh_dim_names or ())
 
 
 def place_gradients(

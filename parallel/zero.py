@@ -193,6 +193,10 @@ class ShardedAdamW(torch.optim.Optimizer):
             self._slots[p] = _Slot(p, mesh)
         return self._slots[p]
 
+    def slice_dim(self, p: torch.Tensor) -> int:
+        """The dim of p's local tensor that its slices split (parallel.reproducible)."""
+        return self._slot(p).dim
+
     @torch.no_grad()
     def reduce_gradients(self) -> list[DTensor]:
         """Reduce-scatter every gradient over dp; returns the summed slices (as DTensors).

@@ -32,7 +32,12 @@ from parallel.mixed_precision import compute_context
 from parallel.parallelize import parallelize
 from parallel.pipeline import Pipeline
 from parallel.recompute import RecomputeMeter
-from parallel.reproducible import ExactGradients, enable_deterministic_kernels, place_gradients
+from parallel.reproducible import (
+    ExactGradients,
+    ExpertReduction,
+    enable_deterministic_kernels,
+    place_gradients,
+)
 from parallel.tensor_parallel import local_loss, vocab_parallel_loss
 from parallel.zero import ShardedAdamW
 from trainer.data import MicroBatch, SampleStream, open_stream, step_micro_batches
@@ -142,7 +147,7 @@ class Trainer:
         self.peak_flops = peak_flops(device_name(device), layout.mixed_precision)
         self.flops_per_step = model_flops_per_token(cfg) * cfg.train.global_batch * cfg.train.seq_len
         if cfg.parallel.reproducible:
-            enable_deterministic_kernels(device)
+            enable_deterministic_kernels(device, one_thread=cfg.model.family == "moe")
         self.spec = get_spec(cfg.model.family)
         self.model = self.spec.build(cfg.model)
         # With pp > 1, self.model is this rank's union of stages and parts are the stages.
@@ -177,12 +182,19 @@ class Trainer:
         # Loss and token sums reduce over dp x cp: each cp rank holds a share of the tokens.
         self.dp_group = data_mesh(mesh).get_group() if mesh is not None else None
         self.pp_group = mesh["pp"].get_group() if mesh is not None and layout.pp > 1 else None
-        # parallel.reproducible: exact sums over the micro-batches that hold samples.
+        # parallel.reproducible: exact sums over the micro-batches that hold samples; routed
+        # experts under ep over the ranks holding the same experts, split as ZeRO splits them.
+        experts = (
+            ExpertReduction(expert_dp.get_group(), layout.ep, self.optimizer.slice_dim
+                            if isinstance(self.optimizer, ShardedAdamW) else lambda _: 0)
+            if expert_dp is not None else None
+        )
         self.exact = (
             ExactGradients(
                 self.model,
                 self.dp_group,
                 micro_batches=-(-cfg.train.global_batch // layout.micro_batch),
+                experts=experts,
             )
             if cfg.parallel.reproducible
             else None
@@ -224,9 +236,10 @@ class Trainer:
             load = dict(zip(moe_layers(self.cfg.model), measured["expert_load"], strict=True))
             update_expert_bias(self.model, load, rate)
 
-    def _expert_stats(self, aux: torch.Tensor) -> dict:
+    def _expert_stats(self, aux: torch.Tensor, exact_aux: float | None = None) -> dict:
         """The step's balancing loss and expert load, summed over every rank's tokens (dp) and
-        stages (pp); tp ranks hold the same."""
+        stages (pp); tp ranks hold the same. `exact_aux`: the loss already summed exactly
+        (parallel.reproducible; `aux` is then ignored)."""
         assert self.router_aux is not None
         loads = self.router_aux.take_loads()
         layers = moe_layers(self.cfg.model)
@@ -240,7 +253,7 @@ class Trainer:
             if group is not None:
                 dist.all_reduce(stats, group=group)
         counts = stats[1:].round().to(torch.int64).view(len(layers), e).tolist()
-        return {"aux_loss": float(stats[0].item()),
+        return {"aux_loss": float(stats[0].item()) if exact_aux is None else exact_aux,
                 "expert_load": tuple(tuple(row) for row in counts)}
 
     def train_step(self) -> StepResult:
@@ -266,7 +279,7 @@ class Trainer:
         measured: dict = {}  # pipeline bubble and expert statistics, as StepResult fields
         exact_grads: list[torch.Tensor] | None = None
         if self.exact is not None:
-            loss, counted, exact_grads = self._exact_forward_backward(batches)
+            loss, counted, exact_grads, measured = self._exact_forward_backward(batches)
         else:
             self._aux_sum = torch.zeros((), device=self.device)
             loss, counted, measured = self._forward_backward(batches)
@@ -405,26 +418,37 @@ class Trainer:
             dist.all_reduce(loss_sum, group=self.pp_group)
         return float(loss_sum.item()), counted, bubble
 
-    def _exact_forward_backward(self, batches: list) -> tuple[float, int, list[torch.Tensor]]:
-        """parallel.reproducible: the step's loss and target tokens, and this rank's shards of
-        the exactly summed gradients (also handed to the optimizer).
+    def _exact_forward_backward(
+        self, batches: list
+    ) -> tuple[float, int, list[torch.Tensor], dict]:
+        """parallel.reproducible: the step's loss and target tokens, this rank's shards of
+        the exactly summed gradients (also handed to the optimizer), and the moe family's
+        expert statistics.
 
         The loss is the exactly rounded sum (math.fsum) of the micro-batch losses, each put in
-        the slot of its global micro-batch index m * dp + dp_rank, so no sum depends on dp.
+        the slot of its global micro-batch index m * dp + dp_rank, so no sum depends on dp; a
+        moe model's balancing loss of each micro-batch gets a slot of its own, n + that index.
         """
         assert self.exact is not None
         layout = self.layout
         exponents = None
+        n = layout.dp * layout.grad_accum
         for _attempt in range(2):
             self.exact.begin(exponents)
-            slots = torch.zeros(layout.dp * layout.grad_accum + 1, dtype=torch.float64)
+            if self.router_aux is not None:
+                self.router_aux.take_loads()  # a retried step counts its loads once
+            slots = torch.zeros(2 * n + 1, dtype=torch.float64)
             for m, mb in enumerate(batches):
                 inputs, targets = mb.inputs.to(self.device), mb.targets.to(self.device)
+                if self.router_aux is not None:
+                    self._open_aux(targets)
                 with compute_context(layout, self.device):
                     loss = self._micro_batch_loss(self.model(inputs), targets)
                 loss.backward()
                 self.exact.micro_batch_done()
                 slots[m * layout.dp + self.dp_rank] = loss.item()
+                if self.router_aux is not None:
+                    slots[n + m * layout.dp + self.dp_rank] = self.router_aux.end().item()
                 slots[-1] += int(count_tokens(targets))
             exponents = self.exact.settle()
             if exponents is None:
@@ -440,7 +464,9 @@ class Trainer:
         values = exact_slot_sum(slots, self.dp_group)
         shards = self.exact.reduce()
         place_gradients(self.exact.params, shards, self.optimizer)
-        return math.fsum(values[:-1]), int(values[-1]), shards
+        stats = ({} if self.router_aux is None else
+                 self._expert_stats(torch.zeros((), device=self.device), math.fsum(values[n:-1])))
+        return math.fsum(values[:-1]), int(values[-1]), shards, stats
 
     def _pipeline_forward_backward(
         self, batches: list

@@ -32,26 +32,61 @@ def local_tensor(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
+# Receives, per source, the gradients of an Experts module's PARAMS from that source's rows
+# alone (parallel.reproducible sets it; models.moe.model.Experts.gradient_sink).
+GradientSink = Callable[[int, tuple[torch.Tensor, ...]], None]
+
+
+class _SourceGradients(torch.autograd.Function):
+    """Identity on the expert weights; backward hands their gradient from one source's rows to
+    the sink instead of letting autograd add it to the other sources' (an fp32 sum whose
+    grouping would depend on the layout)."""
+
+    @staticmethod
+    def forward(ctx: torch.autograd.function.FunctionCtx, sink: GradientSink, source: int,
+                *weights: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        ctx.sink, ctx.source = sink, source  # type: ignore[attr-defined]
+        return tuple(w.view_as(w) for w in weights)
+
+    @staticmethod
+    def backward(ctx: torch.autograd.function.FunctionCtx,
+                 *grads: torch.Tensor) -> tuple[None, ...]:
+        ctx.sink(ctx.source, grads)  # type: ignore[attr-defined]
+        return (None, None, *(None for _ in grads))
+
+
 class Experts(nn.Module):
     """E SwiGLU experts; under expert parallelism each rank holds a contiguous block of them."""
+
+    PARAMS = ("gate_proj", "up_proj", "down_proj")
 
     def __init__(self, num_experts: int, hidden: int, inner: int) -> None:
         super().__init__()
         self.gate_proj = nn.Parameter(torch.empty(num_experts, inner, hidden))
         self.up_proj = nn.Parameter(torch.empty(num_experts, inner, hidden))
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, inner))
+        # parallel.reproducible: each source's gradients go here, not into .grad.
+        self.gradient_sink: GradientSink | None = None
 
-    def forward(self, rows: torch.Tensor, counts: list[int]) -> torch.Tensor:
-        """rows (N, h) grouped by local expert, counts[j] rows for local expert j → (N, h).
+    def forward(self, rows: torch.Tensor, counts: list[int], sources: int = 1) -> torch.Tensor:
+        """rows (N, h) in blocks of counts[i] rows → (N, h). Block i is source i // L's rows
+        for local expert i % L (L local experts): with one source (the default), one block per
+        expert; under expert parallelism with a gradient sink, one per (sending rank, expert),
+        each the rows one micro-batch routed there, as one process would run them.
 
         An expert with no rows still runs (on an empty block), so every local expert gets a
         gradient, zero or not: data-parallel reductions then see the same tensors on every rank.
         """
-        gate, up, down = (local_tensor(p) for p in (self.gate_proj, self.up_proj, self.down_proj))
-        outs = [
-            F.linear(F.silu(F.linear(block, gate[j])) * F.linear(block, up[j]), down[j])
-            for j, block in enumerate(rows.split(counts))
-        ]
+        weights = tuple(local_tensor(getattr(self, name)) for name in self.PARAMS)
+        blocks = rows.split(counts)
+        local = len(counts) // sources
+        outs = []
+        for source in range(sources):
+            gate, up, down = (weights if self.gradient_sink is None
+                              else _SourceGradients.apply(self.gradient_sink, source, *weights))
+            for j, block in enumerate(blocks[source * local:(source + 1) * local]):
+                outs.append(F.linear(F.silu(F.linear(block, gate[j])) * F.linear(block, up[j]),
+                                     down[j]))
         return torch.cat(outs)
 
 

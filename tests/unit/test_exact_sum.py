@@ -9,6 +9,7 @@ import pytest
 import torch
 from torch import nn
 
+from models.moe.model import Experts
 from parallel.exact_sum import (
     ceil_log2,
     dequantize,
@@ -84,16 +85,19 @@ def test_slot_sum_keeps_values():
 
 
 @pytest.mark.parametrize(("rows", "size"), [(7, 3), (2, 4), (8, 4), (1, 1), (5, 2)])
-def test_region_splits_like_torch_chunk(rows, size):
-    cols = 3
-    region = _Region("w", torch.Size([rows, cols]), 2, rows, cols, -(-rows // size))
+@pytest.mark.parametrize("dim", [0, 1])
+def test_region_splits_like_torch_chunk(rows, size, dim):
+    """dim 1: ZeRO-1 slices routed experts (ep-sharded on dim 0) on their dim 1."""
+    shape = [4, rows, 2] if dim else [rows, 3]
+    cols = math.prod(shape) // rows
+    region = _Region("w", torch.Size(shape), 2, rows, cols, -(-rows // size), dim)
     width = 2 + region.chunk * cols
     buffer = torch.zeros(size, width, dtype=torch.int64)
-    values = torch.arange(1, rows * cols + 1, dtype=torch.int64).view(rows, cols)
+    values = torch.arange(1, rows * cols + 1, dtype=torch.int64).view(shape)
     region.add(buffer, values)
-    chunks = torch.chunk(values, size, dim=0)
+    chunks = torch.chunk(values, size, dim=dim)
     for rank in range(size):
-        expected = chunks[rank] if rank < len(chunks) else values[:0]
+        expected = chunks[rank] if rank < len(chunks) else values.narrow(dim, 0, 0)
         assert torch.equal(region.local(buffer[rank], rank), expected)
 
 
@@ -152,3 +156,29 @@ def _fp32_sum(model: nn.Module, batches: list[torch.Tensor]) -> torch.Tensor:
         for t, g in zip(total, torch.autograd.grad(model(x).sum(), params), strict=True):
             t += g
     return _flat(total)
+
+
+def test_experts_hand_over_each_sources_gradients():
+    """parallel.reproducible under ep: with a gradient sink, Experts runs each (source, expert)
+    block on its own, as that source's micro-batch runs alone, and hands each source's weight
+    gradients over apart instead of adding them in fp32."""
+    torch.manual_seed(0)
+    experts = Experts(2, 4, 3)
+    for p in experts.parameters():
+        nn.init.normal_(p)
+    counts = [[2, 1], [0, 3]]  # [source][local expert], rows source-major
+    rows = torch.randn(6, 4)
+    got: dict[int, tuple[torch.Tensor, ...]] = {}
+    experts.gradient_sink = lambda source, grads: got.setdefault(source, grads)
+    out = experts(rows, [c for per_source in counts for c in per_source], sources=2)
+    out.square().sum().backward()
+    assert all(p.grad is None for p in experts.parameters()) and sorted(got) == [0, 1]
+    experts.gradient_sink = None
+    start = 0
+    for source, per_source in enumerate(counts):
+        mine = slice(start, start + sum(per_source))
+        alone = experts(rows[mine], per_source)
+        assert torch.equal(alone, out[mine])
+        grads = torch.autograd.grad(alone.square().sum(), list(experts.parameters()))
+        assert all(torch.equal(a, b) for a, b in zip(got[source], grads, strict=True))
+        start = mine.stop

@@ -263,7 +263,7 @@ def test_moe_config_errors_name_the_field(text, overrides, message):
         (["parallel.cp=2", "parallel.tp=2"], 4, "parallel.cp > 1 needs parallel.tp = 1"),
         (["parallel.cp=2", "parallel.pp=2"], 4, "parallel.cp > 1 needs parallel.tp = 1"),
         (["parallel.recompute=\"full\""], 1, "recompute"),
-        (["parallel.reproducible=true"], 1, "parallel.reproducible"),
+        (["parallel.reproducible=true", "parallel.cp=2"], 2, "parallel.reproducible"),
     ],
 )
 def test_layouts_moe_cannot_run_yet_are_refused(overrides, world, message):
@@ -276,9 +276,10 @@ def test_ep_needs_the_moe_family():
         resolve(loads('[data]\nsource = "python-stdlib"\n', ["parallel.ep=2"]), 2)
 
 
-def test_ep_with_cp_resolves():
+def test_ep_with_cp_or_reproducible_resolves():
     layout = resolve(loads(MOE_JOB, ["parallel.ep=2", "parallel.cp=2"]), 8)
     assert (layout.dp, layout.cp, layout.ep, layout.world_size) == (4, 2, 2, 8)
+    assert resolve(loads(MOE_JOB, ["parallel.ep=2", "parallel.reproducible=true"]), 4).ep == 2
 
 
 def test_ep_is_a_factor_of_dp():
