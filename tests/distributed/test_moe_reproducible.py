@@ -71,3 +71,20 @@ def test_the_baseline_is_not_trivial(baseline):
     assert isinstance(expected, Run) and len(expected.losses) == STEPS
     assert all(aux > 0 for aux, _ in routing.values())
     assert routing[1][1] != routing[STEPS][1]
+
+
+def test_the_expert_bias_keeps_the_bits(token_file: Path, tmp_path: Path) -> None:
+    """Auxiliary-loss-free balancing under the mode: the bias moves from the exact global load,
+    so dp 1 (ep 1) and dp 2 at ep 2 still give the same bits (12 steps)."""
+    steps = 12
+    job = tmp_path / "job.toml"
+    job.write_text(small_job_text(token_file, model=MOE | {"router_bias_update_rate": 0.05},
+                                  train={"steps": steps}))
+    one, last_one = run(job, 1, tmp_path / "dp1", steps)
+    two, last_two = run(job, 2, tmp_path / "dp2", steps, "--set", "parallel.ep=2")
+    assert_identical(fingerprint(two, last_two, tmp_path / "dp2"),
+                     fingerprint(one, last_one, tmp_path / "dp1"), "dp2 ep2 with the bias")
+    assert _routing(one) == _routing(two)
+    state = final_model_state(last_one, tmp_path / "dp1")
+    bias = [t for n, t in state.items() if n.endswith("expert_bias")]
+    assert bias and any(t.abs().max() > 0 for t in bias)  # the bias moved and was compared
