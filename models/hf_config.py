@@ -32,12 +32,17 @@ def read_hf_config(directory: Path) -> dict[str, Any]:
     return raw
 
 
-def model_fields(directory: Path, family: str) -> dict[str, Any]:
-    """The `[model]` table of the model in `directory`."""
-    from models import get_spec
+def model_fields(directory: Path, family: str | None) -> dict[str, Any]:
+    """The `[model]` table of the model in `directory`; `family` None: the family that reads
+    its model_type (Llama's, which names the key it cannot take, when none does)."""
+    from models import SPECS, get_spec
 
     path = directory / "config.json"
-    return get_spec(family).hf.config_from_hf(read_hf_config(directory), str(path))
+    raw = read_hf_config(directory)
+    if family is None:
+        family = next((spec.name for spec in SPECS.values()
+                       if raw.get("model_type") in spec.hf.model_types), "llama")
+    return get_spec(family).hf.config_from_hf(raw, str(path))
 
 
 def with_pretrained_model(raw: Mapping[str, Any]) -> dict[str, Any]:
@@ -47,7 +52,8 @@ def with_pretrained_model(raw: Mapping[str, Any]) -> dict[str, Any]:
         raise ConfigError(f"model must be a table (got {type(model).__name__})")
     directory = hf_dir(str(raw["init"]["hf"]))
     path = directory / "config.json"
-    fields = model_fields(directory, str(model.get("family", "llama")))
+    family = model.get("family")
+    fields = model_fields(directory, None if family is None else str(family))
     for key, value in model.items():
         if key not in fields:
             continue

@@ -64,19 +64,45 @@ class ParamShape:
 
 
 @dataclass(frozen=True)
+class HFTensor:
+    """One tensor of a Hugging Face model's weight files and where its values live in ours.
+
+    Most map one to one (`index` None: the whole of our tensor `ours`). A MoE layer's routed
+    experts are one (E, ·, ·) tensor here, so that expert parallelism can shard dim 0, but one
+    file tensor per expert there: each of those is the slice `ours[index]`."""
+
+    hf: str
+    ours: str
+    index: int | None = None
+
+
+@dataclass(frozen=True)
 class HFAdapter:
     """Between our names and fields and Hugging Face's for one family.
 
-    `to_hf`/`from_hf` map a parameter's fully qualified name; `config_from_hf` turns a
+    `model_types`: the config.json `model_type`s the family reads; `config_from_hf` turns a
     config.json into `[model]` fields (raising ConfigError naming the key it cannot take);
-    `config_to_hf` the other way; `hf_names` lists the tensors a full model's files hold."""
+    `config_to_hf` the other way (raising ConfigError naming the field no model type has);
+    `tensors` lists every tensor of a full model's files, in file order, with where it lives in
+    ours. The table depends on the config, not only on names: Mixtral and Qwen2-MoE name the
+    same router differently, and a stacked tensor has one file tensor per expert."""
 
-    model_type: str
-    to_hf: Callable[[str], str]
-    from_hf: Callable[[str], str]
-    config_from_hf: Callable[[Mapping[str, Any]], dict[str, Any]]
+    model_types: tuple[str, ...]
+    config_from_hf: Callable[[Mapping[str, Any], str], dict[str, Any]]
     config_to_hf: Callable[[ModelConfig], dict[str, Any]]
-    hf_names: Callable[[ModelConfig], list[str]]
+    tensors: Callable[[ModelConfig], list[HFTensor]]
+
+    def hf_names(self, m: ModelConfig) -> list[str]:
+        return [t.hf for t in self.tensors(m)]
+
+    def by_ours(self, m: ModelConfig) -> dict[str, list[HFTensor]]:
+        """Our tensor name -> its file tensors (one, or a stacked tensor's by index)."""
+        out: dict[str, list[HFTensor]] = {}
+        for t in self.tensors(m):
+            out.setdefault(t.ours, []).append(t)
+        for parts in out.values():
+            parts.sort(key=lambda t: -1 if t.index is None else t.index)
+        return out
 
 
 @dataclass(frozen=True)

@@ -62,6 +62,8 @@ class ModelConfig:
     rope_scaling: RopeScaling = field(default_factory=RopeScaling)
     rms_norm_eps: float = 1e-5
     attention_bias: bool = False
+    # q, k and v biases without o_proj's (Qwen2-MoE's `qkv_bias`); attention_bias: all four.
+    qkv_bias: bool = False
     mlp_bias: bool = False
     tie_word_embeddings: bool = False
     initializer_range: float = 0.02
@@ -73,6 +75,8 @@ class ModelConfig:
     first_k_dense_replace: int = 0  # the first k layers keep a dense MLP (DeepSeek's name)
     moe_layer_freq: int = 1  # of the others, layer i is MoE when i % moe_layer_freq == 0
     norm_topk_prob: bool = True  # renormalise the top-k routing weights to sum to 1
+    # Scale the shared experts' output by sigmoid(x · w), w an h -> 1 linear (Qwen2-MoE's).
+    shared_expert_gate: bool = False
     router_aux_loss_coef: float = 0.001  # weight of the load-balancing loss (0: off)
     # DeepSeek-V3's auxiliary-loss-free balancing: per-expert routing bias step (0: off).
     router_bias_update_rate: float = 0.0

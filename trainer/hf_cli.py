@@ -4,8 +4,9 @@
     ultrascale-hf import HF_DIR CHECKPOINT_DIR [--job JOB.toml]
 
 `export` reads a durable checkpoint of any layout (DCP reshards on read) in one process, one
-tensor at a time, and writes config.json, generation_config.json and model.safetensors (or
-shards and model.safetensors.index.json above 5 GB). The model's fields come from the
+of our tensors at a time (a MoE layer's stacked experts become one file tensor each), and
+writes config.json, generation_config.json and model.safetensors (or shards and
+model.safetensors.index.json above 5 GB). The model's fields come from the
 checkpoint's manifest (written by every run since `models/` exists), else from `--job`.
 
 `import` writes the Hugging Face model as a step-0 durable checkpoint (model, fresh AdamW state,
@@ -75,19 +76,26 @@ def export(args: argparse.Namespace) -> int:
     spec = get_spec(model.family)
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
     stored = metadata.state_dict_metadata
+    tensors = {t.hf: t for t in spec.hf.tensors(model)}
     planned = []
-    for hf_name in spec.hf.hf_names(model):
-        key = MODEL_PREFIX + spec.hf.from_hf(hf_name)
+    for t in tensors.values():
+        key = MODEL_PREFIX + t.ours
         if key not in stored:
-            raise ConfigError(f"{ckpt}: no tensor {key} (the model says {hf_name} exists)")
-        planned.append(Planned(hf_name, tuple(stored[key].size), dtype))  # type: ignore[union-attr]
+            raise ConfigError(f"{ckpt}: no tensor {key} (the model says {t.hf} exists)")
+        size = tuple(stored[key].size)  # type: ignore[union-attr]
+        planned.append(Planned(t.hf, size if t.index is None else size[1:], dtype))
+    # One of our tensors at a time: a stacked one is read once for all its consecutive slices.
+    held: dict[str, torch.Tensor] = {}
 
-    def read(t: Planned) -> torch.Tensor:
-        key = MODEL_PREFIX + spec.hf.from_hf(t.name)
-        props = stored[key].properties  # type: ignore[union-attr]
-        value = torch.empty(t.shape, dtype=props.dtype)
-        load_offline(ckpt, manifest, {key: value})
-        return value
+    def read(p: Planned) -> torch.Tensor:
+        t = tensors[p.name]
+        key = MODEL_PREFIX + t.ours
+        if key not in held:
+            held.clear()
+            props = stored[key].properties  # type: ignore[union-attr]
+            held[key] = torch.empty(tuple(stored[key].size), dtype=props.dtype)  # type: ignore[union-attr]
+            load_offline(ckpt, manifest, {key: held[key]})
+        return held[key] if t.index is None else held[key][t.index]
 
     args.out_dir.mkdir(parents=True, exist_ok=True)
     files = write_safetensors(args.out_dir, planned, read, args.max_shard_bytes or MAX_SHARD_BYTES)

@@ -55,11 +55,9 @@ SPEC = ModelSpec(
     param_shapes=formulas.param_shapes,
     attention_flops_per_token=formulas.attention_flops_per_token,
     hf=HFAdapter(
-        model_type="llama",
-        to_hf=config.to_hf,
-        from_hf=config.from_hf,
+        model_types=("llama",),
         config_from_hf=config.config_from_hf,
         config_to_hf=config.config_to_hf,
-        hf_names=config.hf_names,
+        tensors=config.tensors,
     ),
 )

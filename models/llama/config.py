@@ -8,16 +8,19 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
+from models.spec import HFTensor
 from parallel.job import ConfigError, ModelConfig, RopeScaling
 
 ROPE_TYPES = ("default", "linear", "llama3")
 
-# [model] fields that are config.json keys of the same name and meaning.
-_SAME = (
+# [model] fields that are config.json keys of the same name and meaning in every Llama-style
+# config (Mixtral's and Qwen2-MoE's too); LlamaConfig adds the two bias switches.
+SHAPE_KEYS = (
     "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
     "num_key_value_heads", "vocab_size", "max_position_embeddings", "rms_norm_eps",
-    "attention_bias", "mlp_bias", "tie_word_embeddings", "initializer_range",
+    "tie_word_embeddings", "initializer_range",
 )
+_SAME = (*SHAPE_KEYS, "attention_bias", "mlp_bias")
 
 
 def _positive(name: str, value: float) -> None:
@@ -31,6 +34,10 @@ def validate(m: ModelConfig) -> None:
                           f"experts for family {m.family!r})")
     if m.router_bias_update_rate:
         raise ConfigError("model.router_bias_update_rate needs model.family = \"moe\"")
+    if m.qkv_bias or m.shared_expert_gate:
+        # LlamaConfig has neither: an export would silently drop them.
+        raise ConfigError("model.qkv_bias and model.shared_expert_gate need "
+                          "model.family = \"moe\"")
     validate_shape(m)
 
 
@@ -79,10 +86,16 @@ def config_from_hf(hf: Mapping[str, Any], source: str = "config.json") -> dict[s
             f"{source}: model_type must be \"llama\" for model.family \"llama\" "
             f"(got {hf.get('model_type')!r})"
         )
+    return {"family": "llama", **shape_from_hf(hf, source, _SAME)}
+
+
+def shape_from_hf(hf: Mapping[str, Any], source: str, keys: tuple[str, ...]) -> dict[str, Any]:
+    """The fields every Llama-style config.json shares: `keys` taken as they are, head_dim,
+    and RoPE (transformers 4's `rope_theta` + `rope_scaling`, 5's `rope_parameters`)."""
     if hf.get("hidden_act", "silu") != "silu":
         raise ConfigError(f"{source}: hidden_act must be \"silu\" (got {hf['hidden_act']!r})")
-    fields: dict[str, Any] = {"family": "llama"}
-    for key in _SAME:
+    fields: dict[str, Any] = {}
+    for key in keys:
         if hf.get(key) is not None:
             fields[key] = hf[key]
     fields.setdefault("num_key_value_heads", hf.get("num_attention_heads"))
@@ -117,6 +130,16 @@ def config_from_hf(hf: Mapping[str, Any], source: str = "config.json") -> dict[s
 def config_to_hf(m: ModelConfig) -> dict[str, Any]:
     """config.json of `m` in the transformers 4 shape (`rope_theta`, `rope_scaling`), which
     transformers 5 reads too."""
+    return {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        **shape_to_hf(m, _SAME),
+        "pretraining_tp": 1,
+    }
+
+
+def shape_to_hf(m: ModelConfig, keys: tuple[str, ...]) -> dict[str, Any]:
+    """The config.json keys every Llama-style config shares (`shape_from_hf`'s inverse)."""
     r = m.rope_scaling
     scaling = None
     if r.rope_type != "default":
@@ -129,15 +152,12 @@ def config_to_hf(m: ModelConfig) -> dict[str, Any]:
                     r.original_max_position_embeddings or m.max_position_embeddings,
             }
     return {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
         "hidden_act": "silu",
-        **{key: getattr(m, key) for key in _SAME},
+        **{key: getattr(m, key) for key in keys},
         "head_dim": m.head_dim,
         "rope_theta": m.rope_theta,
         "rope_scaling": scaling,
         "attention_dropout": 0.0,
-        "pretraining_tp": 1,
         "use_cache": True,
     }
 
@@ -170,3 +190,8 @@ def hf_names(m: ModelConfig) -> list[str]:
     if not m.tie_word_embeddings:
         ours.append("lm_head.weight")
     return [to_hf(n) for n in ours]
+
+
+def tensors(m: ModelConfig) -> list[HFTensor]:
+    """Every file tensor of a LlamaForCausalLM: each one of our tensors under another name."""
+    return [HFTensor(name, from_hf(name)) for name in hf_names(m)]

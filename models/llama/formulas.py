@@ -43,10 +43,9 @@ def param_shapes(model: ModelConfig) -> dict[str, tuple[ParamShape, ...]]:
     q_dim = model.num_attention_heads * model.head_dim
     kv_dim = model.num_key_value_heads * model.head_dim
     attn_bias = (
-        (ParamShape((q_dim,), 0), ParamShape((kv_dim,), 0), ParamShape((kv_dim,), 0),
-         ParamShape((h,), None))
-        if model.attention_bias else ()
-    )
+        (ParamShape((q_dim,), 0), ParamShape((kv_dim,), 0), ParamShape((kv_dim,), 0))
+        if model.attention_bias or model.qkv_bias else ()
+    ) + ((ParamShape((h,), None),) if model.attention_bias else ())  # o_proj's
     mlp_bias = (
         (ParamShape((i,), 0), ParamShape((i,), 0), ParamShape((h,), None))
         if model.mlp_bias else ()

@@ -26,12 +26,13 @@ class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.head_dim = cfg.head_dim
-        h, q, kv, bias = (cfg.hidden_size, cfg.num_attention_heads * cfg.head_dim,
-                          cfg.num_key_value_heads * cfg.head_dim, cfg.attention_bias)
-        self.q_proj = nn.Linear(h, q, bias=bias)
-        self.k_proj = nn.Linear(h, kv, bias=bias)
-        self.v_proj = nn.Linear(h, kv, bias=bias)
-        self.o_proj = nn.Linear(q, h, bias=bias)
+        h, q, kv = (cfg.hidden_size, cfg.num_attention_heads * cfg.head_dim,
+                    cfg.num_key_value_heads * cfg.head_dim)
+        qkv_bias = cfg.attention_bias or cfg.qkv_bias  # qkv_bias: Qwen2's, no o_proj bias
+        self.q_proj = nn.Linear(h, q, bias=qkv_bias)
+        self.k_proj = nn.Linear(h, kv, bias=qkv_bias)
+        self.v_proj = nn.Linear(h, kv, bias=qkv_bias)
+        self.o_proj = nn.Linear(q, h, bias=cfg.attention_bias)
         # softmax(QK^T)V on (batch, heads, seq, head_dim); context parallelism swaps in ring
         # attention over its group (parallel.context_parallel).
         self.core: Callable[..., torch.Tensor] = attention

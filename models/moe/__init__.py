@@ -5,11 +5,11 @@ The spec's torch-side entries import their modules when called, as Llama's do.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from models.llama import SPEC as LLAMA
 from models.llama import formulas as llama_formulas
-from models.moe import config, formulas
+from models.moe import config, formulas, hf
 from models.spec import HFAdapter, ModelSpec
 
 if TYPE_CHECKING:
@@ -39,13 +39,6 @@ def _tensor_parallel(model: nn.Module, layout: Layout, tp_mesh: DeviceMesh) -> N
     apply_tensor_parallel(model, layout, tp_mesh)
 
 
-def _no_hf(*_args: object) -> Any:
-    from parallel.job import ConfigError
-
-    raise ConfigError("Hugging Face import and export of model.family \"moe\" (Mixtral, "
-                      "Qwen-MoE) are not supported yet; see docs/moe.md")
-
-
 SPEC = ModelSpec(
     name="moe",
     validate=config.validate,
@@ -56,7 +49,7 @@ SPEC = ModelSpec(
     param_counts=formulas.param_counts,
     param_shapes=formulas.param_shapes,
     attention_flops_per_token=llama_formulas.attention_flops_per_token,
-    # Hugging Face import/export of Mixtral / Qwen-MoE is not written yet: every use says so.
-    hf=HFAdapter(model_type="mixtral", to_hf=_no_hf, from_hf=_no_hf, config_from_hf=_no_hf,
-                 config_to_hf=_no_hf, hf_names=_no_hf),
+    # Mixtral and Qwen2-MoE (models/moe/hf.py).
+    hf=HFAdapter(model_types=hf.MODEL_TYPES, config_from_hf=hf.config_from_hf,
+                 config_to_hf=hf.config_to_hf, tensors=hf.tensors),
 )

@@ -50,3 +50,6 @@ def validate(m: ModelConfig) -> None:
                           f"(got {m.router_bias_update_rate})")
     if m.mlp_bias:
         raise ConfigError("model.mlp_bias is not supported by model.family \"moe\"")
+    if m.shared_expert_gate and not m.num_shared_experts:
+        raise ConfigError("model.shared_expert_gate needs model.num_shared_experts >= 1 (it "
+                          "scales the shared experts' output)")

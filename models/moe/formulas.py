@@ -33,13 +33,15 @@ def _numel(shapes: tuple[ParamShape, ...]) -> int:
 
 
 def _moe_mlp(m: ModelConfig) -> tuple[ParamShape, ...]:
-    """A MoE layer's MLP without its routed experts: the router and the shared experts
-    (replicated over tp for now: the family has no tensor-parallel plan yet)."""
+    """A MoE layer's MLP without its routed experts: the router, the shared experts and their
+    gate (replicated over tp: models/moe/sharding.py)."""
     h, shared = m.hidden_size, m.num_shared_experts * expert_size(m)
     out = (ParamShape((m.num_experts, h), None),)
     if shared:
         out += (ParamShape((shared, h), None), ParamShape((shared, h), None),
                 ParamShape((h, shared), None))
+    if m.shared_expert_gate:
+        out += (ParamShape((1, h), None),)
     return out
 
 

@@ -4,8 +4,9 @@ and DeepSeek-style shared experts and dense-first layers (docs/moe.md).
 Attention, norms, RoPE, embeddings and the dense MLP are models/llama/model.py's. A MoE layer's
 MLP is `MoE`: a router (`gate`), `num_experts` SwiGLU experts stored as three (E, ·, ·) tensors,
 dropless top-k routing, and optionally one dense SwiGLU of num_shared_experts experts' width that
-every token passes through. Nothing here knows about meshes: expert parallelism swaps `exchange`
-(parallel.expert_parallel), as context parallelism swaps attention's `core`.
+every token passes through (its output scaled by a sigmoid gate with `shared_expert_gate`).
+Nothing here knows about meshes: expert parallelism swaps `exchange` (parallel.expert_parallel),
+as context parallelism swaps attention's `core`.
 """
 
 from __future__ import annotations
@@ -112,6 +113,9 @@ class MoE(nn.Module):
                 cfg, intermediate_size=cfg.num_shared_experts * expert_size(cfg)))
             if cfg.num_shared_experts else None
         )
+        # Qwen2-MoE's: sigmoid(x · w) scales the shared experts' output, token by token.
+        self.shared_expert_gate: nn.Linear | None = (
+            nn.Linear(cfg.hidden_size, 1, bias=False) if cfg.shared_expert_gate else None)
         self.exchange: Exchange = run_local_experts
         self.aux = aux
         # DeepSeek-V3's balancing bias (models.moe.bias_balance): state, not a parameter (no
@@ -130,7 +134,10 @@ class MoE(nn.Module):
         outputs = self.exchange(dispatch.permute(flat, p), p.counts, self.experts)
         out = dispatch.combine(outputs, p, routing.weights).view(b, s, h)
         if self.shared_experts is not None:
-            out = out + self.shared_experts(x)
+            shared = self.shared_experts(x)
+            if self.shared_expert_gate is not None:
+                shared = torch.sigmoid(self.shared_expert_gate(x)) * shared
+            out = out + shared
         return self.aux.attach(out, routing.probs.view(b, s, -1),
                                routing.experts.view(b, s, self.top_k), self.layer)
 

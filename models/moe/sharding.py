@@ -26,6 +26,8 @@ def moe_block_plan(block: nn.Module) -> dict[str, ParallelStyle]:
     plan["mlp.gate"] = ReplicateParallel()
     if block.mlp.shared_experts is not None:
         plan["mlp.shared_experts"] = ReplicateParallel()
+    if block.mlp.shared_expert_gate is not None:
+        plan["mlp.shared_expert_gate"] = ReplicateParallel()
     return plan
 
 

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from models import get_spec
+from models.llama import config as llama_config
 from parallel.job import ConfigError, ModelConfig, loads
 from trainer.pretrained import PretrainedInvalid, load_pretrained
 
@@ -78,7 +79,7 @@ def test_bf16_files_load_exactly(tmp_path: Path) -> None:
 
     stored = load_file(directory / "model.safetensors")
     for name, p in model.named_parameters():
-        want = stored[get_spec("llama").hf.to_hf(name)]
+        want = stored[llama_config.to_hf(name)]
         assert p.dtype == torch.float32 and torch.equal(p, want.float()), name
 
 
