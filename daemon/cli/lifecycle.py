@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import sys
 import time
 from collections.abc import Callable, Iterable
@@ -203,6 +204,10 @@ def logs(stub: Agents, md: Any, timeout: float, args: argparse.Namespace) -> int
     if args.rank < 0:
         raise CtlError(f"logs --rank: expected a local rank >= 0 (got {args.rank})", EXIT_USAGE)
     agent = node_agent(stub, md, timeout, args.node, args.insecure)
+    if args.follow:
+        # -f ends on Ctrl-C or `kill -INT`, even when started in the background by a
+        # non-interactive shell, which hands SIGINT down ignored.
+        signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         stream = agent.ReadWorkerLog(
             pb.WorkerLogRequest(node=args.node, local_rank=args.rank, tail_lines=args.tail,

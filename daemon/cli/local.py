@@ -260,9 +260,12 @@ def run(args: argparse.Namespace) -> int:
                            allowed_paths=tuple(p.absolute() for p in named if p is not None))
     print(f"ultrad local: state in {state_dir}", file=sys.stderr)
     # SIGTERM and SIGHUP stop the cluster as Ctrl-C does: by default they would end this process
-    # without its cleanup, leaving the snapshot directory in shared memory.
+    # without its cleanup, leaving the snapshot directory in shared memory. SIGINT is set too:
+    # a process started in the background by a non-interactive shell inherits it ignored, and
+    # Python then never installs its KeyboardInterrupt handler (`kill -INT` did nothing).
     for signum in (signal.SIGTERM, signal.SIGHUP):
         signal.signal(signum, _stop_on_signal)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         cluster.start()
         assert cluster.etcd is not None
