@@ -3,6 +3,10 @@
 Every call has a deadline: an agent that is stopped or hung must never hold a worker, which
 would in turn hold its peers in their next collective. A call that misses its deadline, or
 fails in any other way, raises AgentUnreachable; during a generation that ends the generation.
+
+A step report does not hold the step: it is sent and the loop goes on; its reply is read when
+the next step reaches its agreement (trainer.agreement), and any other call first waits for it,
+so the agent sees a worker's calls in the order the worker made them.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ import grpc
 from parallel.job import FaultConfig
 from proto.ultrascale.v1 import agent_pb2 as pb
 from proto.ultrascale.v1 import agent_pb2_grpc as pb_grpc
+from trainer.agreement import Agreement
 from trainer.driver import Blocked
 from trainer.loop import StepResult
 from trainer.restore_order import Restored
@@ -25,6 +30,11 @@ LONG_POLL_MARGIN_S = 5.0
 
 class AgentUnreachable(RuntimeError):
     """A WorkerControl call failed or missed its deadline."""
+
+
+def _unreachable(name: str, exc: grpc.RpcError) -> AgentUnreachable:
+    code = exc.code().name if hasattr(exc, "code") else "UNKNOWN"
+    return AgentUnreachable(f"agent unreachable: {name} failed ({code})")
 
 
 def rpc_timeout(fault: FaultConfig) -> float:
@@ -45,6 +55,7 @@ class AgentLink:
         self.channel = grpc.insecure_channel(f"unix:{socket_path}")
         self.stub = pb_grpc.WorkerControlStub(self.channel)
         self.local_rank = local_rank
+        self._pending: grpc.Future | None = None  # the step report in flight
         self.use(fault or FaultConfig())  # before the first plan the job's are unknown
 
     def use(self, fault: FaultConfig) -> None:
@@ -55,12 +66,26 @@ class AgentLink:
     def close(self) -> None:
         self.channel.close()
 
-    def _call(self, name: str, request, timeout: float | None = None):
+    def _call(self, name: str, request, timeout: float | None = None, settle: bool = True):
+        """`settle`: first wait for the step report in flight (not from the heartbeat's thread:
+        only the loop's thread sends step reports and settles them)."""
+        if settle:
+            self.settle()
         try:
             return getattr(self.stub, name)(request, timeout=timeout or self.timeout_s)
         except grpc.RpcError as exc:
-            code = exc.code().name if hasattr(exc, "code") else "UNKNOWN"
-            raise AgentUnreachable(f"agent unreachable: {name} failed ({code})") from None
+            raise _unreachable(name, exc) from None
+
+    def settle(self) -> Agreement:
+        """The requests in the reply to the step report in flight (waiting for it, within its
+        deadline); none when no report is in flight."""
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return Agreement()
+        try:
+            return Agreement.of(pending.result())
+        except grpc.RpcError as exc:
+            raise _unreachable("ReportStep", exc) from None
 
     def next_generation(self, after: int, wait_s: float = 30.0) -> pb.GenerationPlan:
         """Long-poll until a generation newer than `after` (or exit) is known."""
@@ -82,12 +107,14 @@ class AgentLink:
                 local_rank=self.local_rank, generation=generation, phase=phase, step=step
             ),
             timeout=timeout,
+            settle=False,
         )
 
     def report_step(self, gp: pb.GenerationPlan, r: StepResult, dp: int,
                     blocked: Blocked | None = None,
-                    experts: ExpertTelemetry | None = None) -> pb.StepReply:
-        """`blocked`: what checkpoints taken after the previous step held the loop;
+                    experts: ExpertTelemetry | None = None) -> None:
+        """Send step `r`'s report without waiting for the reply (`settle` reads it).
+        `blocked`: what checkpoints taken after the previous step held the loop;
         `experts`: a MoE model's expert figures (trainer.telemetry.expert_telemetry)."""
         report = pb.StepReport(
             generation=gp.generation,
@@ -129,7 +156,8 @@ class AgentLink:
             report.snapshot_blocking_seconds = blocked.memory
         if blocked is not None and blocked.durable is not None:
             report.checkpoint_blocking_seconds = blocked.durable
-        return self._call("ReportStep", report)
+        self.settle()  # one report in flight at most
+        self._pending = self.stub.ReportStep.future(report, timeout=self.timeout_s)
 
     def report_failure(
         self, gp: pb.GenerationPlan, message: str, kind: str, step: int, failed_at: float

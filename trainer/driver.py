@@ -30,6 +30,7 @@ from parallel.job import JobConfig
 from parallel.job_paths import job_path
 from parallel.layout import Layout
 from parallel.planner import Restore
+from trainer.agreement import Agreement
 from trainer.fault_injection import NonFiniteInjection
 from trainer.loop import StepResult, Trainer
 from trainer.memory_meter import MemoryMeter
@@ -276,9 +277,10 @@ class GenerationDriver:
             self.snapshots.take(self.trainer.state)
             self._blocked.memory = self.snapshots.blocking_seconds
 
-    def train_step(self) -> StepResult:
+    def train_step(self, seen: Callable[[], Agreement] | None = None) -> StepResult:
+        """One step; `seen`: the agent's requests (Trainer.train_step)."""
         with self.profiler.step(self.step + 1), self.memory.measure():
-            result = self.trainer.train_step()
+            result = self.trainer.train_step(seen)
         self._skipped = bool(result.skipped)
         return dataclasses.replace(result, memory=self.memory.last)
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -40,11 +41,12 @@ from parallel.reproducible import (
 )
 from parallel.tensor_parallel import local_loss, vocab_parallel_loss
 from parallel.zero import ShardedAdamW
+from trainer.agreement import Agreement, agree_step
 from trainer.data import MicroBatch, SampleStream, open_stream, step_micro_batches
 from trainer.evaluation import eval_due, eval_micro_batches, eval_rounds, open_eval_stream
 from trainer.fault_injection import NonFiniteInjection
 from trainer.memory_meter import MeasuredMemory
-from trainer.nonfinite import SkipStreak, agree_skip
+from trainer.nonfinite import SkipStreak
 from trainer.shard_local_adamw import ShardLocalAdamW
 from trainer.telemetry import device_name, mfu, model_flops_per_token, peak_flops
 
@@ -78,6 +80,9 @@ class StepResult:
     # copies per expert of each MoE layer over the step's samples (every rank's tokens).
     aux_loss: float | None = None
     expert_load: tuple[tuple[int, ...], ...] = ()
+    # The agent's requests as agreed by every rank inside this step (trainer.agreement); none
+    # outside a worker.
+    agreed: Agreement = Agreement()
 
 
 def learning_rate(t: TrainConfig, step: int) -> float:
@@ -256,7 +261,9 @@ class Trainer:
         return {"aux_loss": float(stats[0].item()) if exact_aux is None else exact_aux,
                 "expert_load": tuple(tuple(row) for row in counts)}
 
-    def train_step(self) -> StepResult:
+    def train_step(self, seen: Callable[[], Agreement] | None = None) -> StepResult:
+        """One step. `seen`: the agent's requests this rank has seen, asked for when the step
+        reaches its agreement (trainer.agreement); the result carries their agreed maximum."""
         t, layout = self.cfg.train, self.layout
         step = self.progress.step
         start = time.perf_counter()
@@ -294,7 +301,9 @@ class Trainer:
         grad_norm = self._clip_gradients(t.grad_clip, exact_grads)
         # Agreed on every rank: a skipped step changes no weight and no optimizer state, but
         # consumes its samples (trainer.nonfinite).
-        skipped = agree_skip(loss, grad_norm, self.mesh is not None)
+        agreement = agree_step(loss, grad_norm, seen() if seen is not None else Agreement(),
+                               self.mesh is not None)
+        skipped = agreement.skipped
         if not skipped:
             self.optimizer.step()
             self._balance_experts(measured)
@@ -318,6 +327,7 @@ class Trainer:
             mfu=mfu(self.flops_per_step, step_seconds, self.devices, self.peak_flops),
             skipped=skipped,
             eval_loss=eval_loss,
+            agreed=agreement.requests,
         )
 
     def evaluate(self) -> float:

@@ -4,7 +4,8 @@ Every rank must skip the same steps, or the ranks' weights part ways (and ZeRO's
 pair different steps). A rank may be the only one to see the NaN: with tensor parallelism a
 replicated loss or gradient is not reduced again, and a gradient that is only this rank's
 (a pipeline stage's, or an unreduced replica) reaches nobody else. So the ranks agree with one
-all-reduce (MAX) of two flags over the whole world, like any step outcome (trainer.agreement).
+all-reduce (MAX) of two flags over the whole world, which also carries the agent's requests
+(trainer.agreement).
 
 A skipped step still consumes its samples and advances the step counter, as Megatron does:
 the data stream stays a pure function of the step, so a run that skipped step N is exact
@@ -14,11 +15,6 @@ the loss has diverged and a restore would replay the same steps (docs/observabil
 
 from __future__ import annotations
 
-import math
-
-import torch
-import torch.distributed as dist
-
 REASONS = ("nonfinite_loss", "nonfinite_grad")
 
 
@@ -27,13 +23,8 @@ class NonFiniteSteps(RuntimeError):
     can help, the job fails naming the step)."""
 
 
-def agree_skip(loss: float, grad_norm: float, distributed: bool) -> str:
-    """Why every rank skips this step ("" when none does); collective when `distributed`."""
-    flags = torch.tensor([not math.isfinite(loss), not math.isfinite(grad_norm)],
-                         dtype=torch.int32)
-    if distributed:
-        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
-    loss_bad, grad_bad = (bool(x) for x in flags.tolist())
+def skip_reason(loss_bad: bool, grad_bad: bool) -> str:
+    """Why the step is skipped ("" when it is not), from the flags agreed over every rank."""
     return REASONS[0] if loss_bad else REASONS[1] if grad_bad else ""
 
 

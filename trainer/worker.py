@@ -7,7 +7,8 @@ stop or until the job is done, leave the process group, and ask again. A healthy
 failure therefore pays neither a process start nor a torch import on recovery. The contract
 with the agent is the WorkerControl service in proto/ultrascale/v1/agent.proto.
 
-- After every step all ranks agree on the agent's replies (trainer.agreement).
+- Inside every step all ranks agree on the agent's reply to the previous step's report, on a
+  collective the step performs anyway; the step never waits on its agent (trainer.agreement).
 - A heartbeat thread reports the phase (idle, join, restore, step, checkpoint) every second.
 - Every call to the agent has a deadline; an agent that misses one ends the generation like a
   failed collective: this rank leaves the world (its peers' collectives fail at once instead
@@ -52,7 +53,7 @@ from parallel.mesh import build_mesh
 from parallel.planner import Plan
 from proto.ultrascale.v1 import agent_pb2 as pb
 from trainer.agent_link import AgentLink, AgentUnreachable
-from trainer.agreement import agree, decide
+from trainer.agreement import decide
 from trainer.driver import GenerationDriver, checkpoint_root, output_dir, select_device
 from trainer.failure_kind import classify_failure
 from trainer.fault_injection import FaultInjection
@@ -175,13 +176,16 @@ class Generation:
         first = True
         while driver.step < driver.last_step:
             beat.update(gp.generation, "step", driver.step)
-            result = driver.train_step()
+            # The reply to the previous step's report is read inside this step, where the
+            # ranks agree on it (trainer.agreement): the step never waits on the agent.
+            result = driver.train_step(link.settle)
             self.step = result.step
             beat.update(gp.generation, "step", result.step)
             if self.faults is not None:
                 self.faults.check(result.step)
-            agreed = agree(link.report_step(gp, result, driver.layout.dp, driver.take_blocked(),
-                                            expert_telemetry(result, driver.job)))
+            link.report_step(gp, result, driver.layout.dp, driver.take_blocked(),
+                             expert_telemetry(result, driver.job))
+            agreed = result.agreed
             action = decide(agreed, checkpoint_seq_done)
             if action.leave_now:
                 return Outcome("left", result.step)

@@ -210,8 +210,8 @@ class SnapshotHoldings(Record):
 class Directive(Record):
     """`directive`: the leader's standing requests to the running generation.
 
-    Workers agree on each field with an all-reduce after every step, so a request takes effect
-    at the first step any rank saw it, the same step everywhere (trainer/worker.py).
+    Workers agree on each field inside every step (trainer/agreement.py): a request one rank
+    saw in the reply to step n takes effect at step n + 1, the same step everywhere.
     """
 
     generation: int = 0

@@ -7,9 +7,10 @@ A worker's whole contract with its agent (see `proto/ultrascale/v1/agent.proto`)
    the c10d store (host, port, prefix) the plan names. `exit` means leave the loop.
 2. Join the process group through that store, restore `plan.restore`, train; `Heartbeat` about
    once a second from a thread, whatever the main thread is doing.
-3. After each step: `ReportStep`; all ranks then agree on the reply (all-reduce MAX):
-   `stop_now` (leave at once), `stop` (planned change: checkpoint this step, `ReportDone` with
-   `stopped`, leave), `checkpoint_seq` (checkpoint this step when it grew).
+3. After each step: `ReportStep`, without waiting for the reply; all ranks agree on it inside
+   the next step (an all-reduce MAX the step performs anyway) and act at that step:
+   `stop_now` (leave at once), `stop` (planned change: checkpoint the step, `ReportDone` with
+   `stopped`, leave), `checkpoint_seq` (checkpoint the step when it grew).
 4. A failure: `ReportFailure` (kind peer|local), leave the process group, go to 1.
 5. After the last step: `ReportDone`, then go to 1 (the agent answers `exit`).
 """

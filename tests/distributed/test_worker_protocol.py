@@ -1,7 +1,8 @@
 """Real `python -m trainer.worker` processes (3 gloo ranks) against a scripted WorkerControl.
 
-Ranks see each request at a different step (rank 2 first, then rank 1, then rank 0, one step
-apart); every rank must act on it at the first of those steps, together. Failures are
+Ranks see each request in the reply to a different step (rank 2 first, then rank 1, then rank
+0, one step apart); every rank must act on it together, at the step after the first of those
+(the reply is agreed inside the next step: the step never waits for it). Failures are
 reported with their kind, and a worker whose agent stops answering leaves the world so that
 its peers fail at once instead of at the process-group timeout.
 """
@@ -54,56 +55,66 @@ def _checkpoints(tmp_path: Path) -> list[int]:
     )
 
 
-def test_requests_take_effect_at_the_first_step_any_rank_saw_them(tmp_path, token_file):
-    """Generation 1: a checkpoint request first seen at step 2, a stop first seen at step 3.
-    Generation 2 restores step 3; its checkpoint requests (counted from 0 again) are first seen
-    at steps 5 and 7, and it runs to the job's end (8)."""
+def test_requests_take_effect_at_the_step_after_the_first_reply_any_rank_saw_them(
+        tmp_path, token_file):
+    """Generation 1: a checkpoint request first in the reply to step 2 (taken at step 3), a stop
+    first in the reply to step 4 (taken at step 5). Generation 2 restores step 5; its checkpoint
+    requests (counted from 0 again) are first in the replies to steps 6 and 8 (taken at 7 and
+    9), and it runs to the job's end (10)."""
 
     def script(generation: int, r: pb.StepReport) -> pb.StepReply:
         rank = r.global_rank
         if generation == 1:
             return pb.StepReply(
-                stop=_seen(r.step, 3, rank), checkpoint_seq=int(_seen(r.step, 2, rank))
+                stop=_seen(r.step, 4, rank), checkpoint_seq=int(_seen(r.step, 2, rank))
             )
-        seq = int(_seen(r.step, 5, rank)) + int(_seen(r.step, 7, rank))
+        seq = int(_seen(r.step, 6, rank)) + int(_seen(r.step, 8, rank))
         return pb.StepReply(checkpoint_seq=seq)
 
-    job = _job(tmp_path, token_file, 8)
+    job = _job(tmp_path, token_file, 10)
     with FakeAgent(job, WORLD, generations=2, on_step=script) as agent:
         codes = run_workers(agent, tmp_path)
     assert codes == [0] * WORLD, tail(tmp_path)
     assert agent.requests("ReportFailure") == [], tail(tmp_path)
 
     steps = agent.requests("ReportStep")
-    assert sorted({r.step for r in _by_generation(steps, 1)}) == [1, 2, 3]
-    assert sorted({r.step for r in _by_generation(steps, 2)}) == [4, 5, 6, 7, 8]
-    assert len(steps) == WORLD * 8
+    assert sorted({r.step for r in _by_generation(steps, 1)}) == [1, 2, 3, 4, 5]
+    assert sorted({r.step for r in _by_generation(steps, 2)}) == [6, 7, 8, 9, 10]
+    assert len(steps) == WORLD * 10
 
     done = agent.requests("ReportDone")
     assert sorted(
         (d.generation, d.global_rank, d.step, d.consumed_samples, d.stopped) for d in done
-    ) == [(1, rank, 3, 3 * BATCH, True) for rank in range(WORLD)] + [
-        (2, rank, 8, 8 * BATCH, False) for rank in range(WORLD)
+    ) == [(1, rank, 5, 5 * BATCH, True) for rank in range(WORLD)] + [
+        (2, rank, 10, 10 * BATCH, False) for rank in range(WORLD)
     ]
+    # Each rank's calls reach the agent in the order it made them: its last step's report
+    # (sent without waiting) before its ReportDone.
+    arrived = {(name, r.request.generation, r.request.global_rank, r.request.step): r.at
+               for name in ("ReportStep", "ReportDone") for r in agent.timed(name)}
+    for rank in range(WORLD):
+        for generation, last in ((1, 5), (2, 10)):
+            assert arrived[("ReportStep", generation, rank, last)] \
+                < arrived[("ReportDone", generation, rank, last)]
 
     reported = [(c.generation, c.global_rank, c.step) for c in agent.requests("ReportCheckpoint")]
-    assert reported == [(1, 0, 2), (1, 0, 3), (2, 0, 5), (2, 0, 7), (2, 0, 8)]
+    assert reported == [(1, 0, 3), (1, 0, 5), (2, 0, 7), (2, 0, 9), (2, 0, 10)]
     for c in agent.requests("ReportCheckpoint"):
         assert c.path == str(tmp_path / "out" / "ckpt" / f"step_{c.step:08d}")
         assert c.HasField("seconds") and c.seconds > 0  # exported as a checkpoint duration
-    assert _checkpoints(tmp_path) == [2, 3, 5, 7, 8]
-    # A checkpoint's staging blocked the loop: reported with the next step (the stop's at step 3
-    # and the last one at step 8 have none). No snapshot root is set: no snapshot blocked it.
+    assert _checkpoints(tmp_path) == [3, 5, 7, 9, 10]
+    # A checkpoint's staging blocked the loop: reported with the next step (the stop's at step 5
+    # and the last one at step 10 have none). No snapshot root is set: no snapshot blocked it.
     for rank in range(WORLD):
         mine = [r for r in steps if r.global_rank == rank]
         assert sorted(r.step for r in mine if r.HasField("checkpoint_blocking_seconds")) \
-            == [3, 6, 8]
+            == [4, 8, 10]
         assert all(r.checkpoint_blocking_seconds > 0 for r in mine
                    if r.HasField("checkpoint_blocking_seconds"))
         assert not any(r.HasField("snapshot_blocking_seconds") for r in mine)
 
     lines = (tmp_path / "out" / "steps.jsonl").read_text().splitlines()
-    assert len(lines) == 8  # one per step: generation 2 continued from the stop checkpoint
+    assert len(lines) == 10  # one per step: generation 2 continued from the stop checkpoint
 
     beats = agent.requests("Heartbeat")
     # A phase is sent as soon as it starts; join can be over before the thread runs, though.
@@ -113,7 +124,7 @@ def test_requests_take_effect_at_the_first_step_any_rank_saw_them(tmp_path, toke
         phases = {b.phase for b in beats}
         assert {"idle", "restore", "step", "checkpoint"} <= phases, phases
         assert all(b.generation == 0 for b in beats if b.phase == "idle")
-        assert max(b.step for b in beats if b.generation == 2) == 8
+        assert max(b.step for b in beats if b.generation == 2) == 10
 
 
 def test_failures_are_reported_with_their_kind_and_never_wait_on_the_agent(tmp_path, token_file):

@@ -23,9 +23,10 @@ from parallel.cost_model import flops_per_token
 from parallel.job import ConfigError, loads
 from proto.ultrascale.v1 import agent_pb2 as pb
 from tests.unit.test_metrics import JOB
+from trainer.agreement import Agreement, StepAgreement, agree_step
 from trainer.failure_kind import classify_failure
 from trainer.fault_injection import NonFiniteInjection
-from trainer.nonfinite import NonFiniteSteps, SkipStreak, agree_skip
+from trainer.nonfinite import NonFiniteSteps, SkipStreak
 from trainer.telemetry import mfu, model_flops_per_token, peak_flops, step_record
 
 pytestmark = pytest.mark.unit
@@ -59,9 +60,11 @@ def test_a_step_line_carries_lr_grad_norm_tokens_per_s_and_mfu_as_valid_json() -
 
 
 def test_the_skip_reason_names_the_loss_first_and_needs_no_group_in_one_process() -> None:
-    assert agree_skip(1.0, 2.0, distributed=False) == ""
-    assert agree_skip(math.nan, math.inf, distributed=False) == "nonfinite_loss"
-    assert agree_skip(1.0, math.inf, distributed=False) == "nonfinite_grad"
+    seen = Agreement(stop=True, checkpoint_seq=3)
+    assert agree_step(1.0, 2.0, seen, distributed=False) == StepAgreement("", seen)
+    assert agree_step(math.nan, math.inf, Agreement(), distributed=False).skipped \
+        == "nonfinite_loss"
+    assert agree_step(1.0, math.inf, Agreement(), distributed=False).skipped == "nonfinite_grad"
 
 
 def test_max_skipped_steps_in_a_row_fail_naming_the_step_and_an_applied_step_resets() -> None:
