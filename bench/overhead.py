@@ -1,7 +1,7 @@
 """What per-step in-memory snapshots cost the training loop.
 
     python -m bench.overhead [--runs 3] [--steps 100] [--nodes 3] [--global-batch 10]
-                             [--arms bare,ultrad,ultrad+snap]
+                             [--arms bare,ultrad,ultrad+snap] [--pin]
 
 The job of `bench.recovery` (a 2-layer GQA Llama, global batch 10, no durable checkpoints) on
 `--nodes` CPU ranks, in three arms, interleaved run by run. `--global-batch` scales a step's
@@ -31,6 +31,18 @@ worker has imported torch (it starts once the job trains and competes for the CP
 a one-off start-up cost, not a per-step one); the table shows the median over runs and the
 ratio to the bare loop; with several runs it also prints each run against the bare loop of the
 same run (the machine's speed drifts from run to run).
+
+Collectives per step and rank are counted, not assumed: every training process counts its
+`torch.distributed` collective calls (bench/collectives/sitecustomize.py) and the table shows
+their growth per committed step over the middle of the run, like the CPU columns.
+
+`--pin` first runs the arms on one node with one rank, that rank's worker pinned to CPU 0 and
+everything else (the agent, etcd, the standby worker, torchrun's own agent) pinned to CPU 1;
+the bare loop's rank is pinned to CPU 0 the same way. The workers then never lose their core
+to the control path, so the wall ratio measures what the step path itself adds, not CPU theft.
+That table also shows a snapshot's blocking time (the worker's own figure, from the agent's
+`ultra_checkpoint_blocking_seconds{tier="memory"}`) against a plain copy of the same bytes on
+CPU 0. The unpinned table of `--nodes` ranks follows, for comparison.
 """
 
 from __future__ import annotations
@@ -52,6 +64,95 @@ from bench.recovery import GLOBAL_BATCH, _descendants, _env, _wait, write_job
 
 ARMS = ("bare", "ultrad", "ultrad+snap")
 WARMUP = 5
+COUNTER = Path(__file__).resolve().parent / "collectives"
+TRAINING_CPU, OTHER_CPUS = {0}, {1}
+
+
+def counting_env(out: Path) -> dict[str, str]:
+    """The environment under which training processes count their collectives into `out`."""
+    out.mkdir(parents=True, exist_ok=True)
+    rest = os.environ.get("PYTHONPATH", "")
+    return {"ULTRA_COUNT_COLLECTIVES": str(out),
+            "PYTHONPATH": os.pathsep.join(p for p in (str(COUNTER), rest) if p)}
+
+
+def collectives(out: Path) -> int:
+    """Collective calls counted so far by every training process of a run."""
+    total = 0
+    for path in out.glob("*.json"):
+        with contextlib.suppress(OSError, ValueError):
+            total += sum(json.loads(path.read_text()).values())
+    return total
+
+
+def _cmdline(pid: int) -> list[str]:
+    with contextlib.suppress(OSError):
+        return Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0")
+    return []
+
+
+def _is_standby(pid: int) -> bool:
+    with contextlib.suppress(OSError):
+        return b"ULTRA_LOCAL_RANK=standby\0" in Path(f"/proc/{pid}/environ").read_bytes()
+    return False
+
+
+def pin_training(pids: list[int]) -> None:
+    """Move every thread of the training ranks among `pids` to TRAINING_CPU (threads they start
+    later inherit it; called again at each sample for threads started from elsewhere)."""
+    for pid in pids:
+        argv = _cmdline(pid)
+        if "-m" not in argv or "torch.distributed.run" in argv or _is_standby(pid):
+            continue
+        if not any(a == "trainer" or a.startswith("trainer.") for a in argv):
+            continue
+        with contextlib.suppress(OSError):
+            for task in Path(f"/proc/{pid}/task").iterdir():
+                with contextlib.suppress(OSError):
+                    os.sched_setaffinity(int(task.name), TRAINING_CPU)
+
+
+def copy_seconds(nbytes: int, runs: int = 20) -> float:
+    """Median time of a plain copy of `nbytes` into a buffer allocated once, on TRAINING_CPU."""
+    import torch
+
+    before = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, TRAINING_CPU)
+    try:
+        src = torch.ones(nbytes, dtype=torch.uint8)
+        dst = torch.empty_like(src)
+        times = []
+        for _ in range(runs):
+            started = time.perf_counter()
+            dst.copy_(src)
+            times.append(time.perf_counter() - started)
+        return statistics.median(times)
+    finally:
+        os.sched_setaffinity(0, before)
+
+
+def snapshot_step_bytes(snapshot_dir: Path) -> int:
+    """The bytes of the newest snapshot step held under `snapshot_dir` (0: none)."""
+    steps = sorted(snapshot_dir.rglob("step_*"), key=lambda p: p.name)
+    if not steps:
+        return 0
+    return sum(f.stat().st_size for f in steps[-1].rglob("*") if f.is_file())
+
+
+def memory_blocking(metrics_url: str) -> float:
+    """Mean seconds a snapshot held the step, as the worker reported it to its agent."""
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = urllib.request.urlopen(metrics_url, timeout=5).read().decode()
+    found = {}
+    for family in text_string_to_metric_families(text):
+        if family.name == "ultra_checkpoint_blocking_seconds":
+            for sample in family.samples:
+                if sample.labels.get("tier") == "memory":
+                    found[sample.name.rsplit("_", 1)[-1]] = sample.value
+    return found["sum"] / found["count"] if found.get("count") else float("nan")
 
 
 def step_gaps(steps_file: Path, after: float = 0.0) -> list[float]:
@@ -85,42 +186,61 @@ class CpuMeter:
     workers, sampled from /proc while a run goes on."""
 
     steps_file: Path
-    # (wall time, steps committed, CPU seconds so far) of the control processes, the workers
+    counts: Path  # where the training processes count their collectives
+    pin: bool = False
+    # (wall time, steps committed, CPU seconds so far) of the control processes, the workers;
+    # and (wall time, steps committed, collectives so far) of the training processes
     control: list[tuple[float, int, float]] = field(default_factory=list)
     workers: list[tuple[float, int, float]] = field(default_factory=list)
+    calls: list[tuple[float, int, float]] = field(default_factory=list)
     _worker_cpu: dict[int, float] = field(default_factory=dict)
 
     def sample(self, control: list[int], workers: set[int]) -> None:
+        if self.pin:
+            pin_training(sorted(workers))
         now, n = time.time(), committed(self.steps_file)
         self.control.append((now, n, sum(cpu_seconds(p) for p in control)))
         for pid in workers:  # a worker that exited keeps the CPU it was last seen with
             self._worker_cpu[pid] = max(self._worker_cpu.get(pid, 0.0), cpu_seconds(pid))
         self.workers.append((now, n, sum(self._worker_cpu.values())))
+        self.calls.append((now, n, float(collectives(self.counts))))
 
-    def per_step(self, steps: int, after: float = 0.0) -> tuple[float, float]:
-        """(control, workers) CPU seconds per step, from samples taken after `after` (the
-        standby workers' torch import is a start-up cost, not a per-step one)."""
+    def per_step(self, steps: int, after: float = 0.0) -> tuple[float, float, float]:
+        """(control, workers) CPU seconds per step and collectives per step (all ranks), from
+        samples taken after `after` (the standby workers' torch import is a start-up cost, not
+        a per-step one)."""
         return tuple(control_cpu_per_step([(n, c) for t, n, c in samples if t > after], steps)
-                     for samples in (self.control, self.workers))  # type: ignore[return-value]
+                     for samples in (self.control, self.workers, self.calls))  # type: ignore
 
 
-def run_bare(work: Path, job: Path, steps: int, ranks: int) -> tuple[list[float], float, float]:
+@dataclass
+class ArmRun:
+    gaps: list[float]  # seconds between consecutive committed steps
+    control_cpu: float  # CPU seconds per step of the control processes
+    worker_cpu: float  # and of the training processes
+    collectives: float  # collective calls per step and rank
+    blocking: float = float("nan")  # mean seconds a snapshot held the step (ultrad+snap)
+    snapshot_bytes: int = 0  # the bytes of one snapshot step
+
+
+def run_bare(work: Path, job: Path, steps: int, ranks: int, pin: bool = False) -> ArmRun:
     """Step gaps, and the CPU seconds per committed step of torchrun's own agent (the bare
     loop's control process) and of its workers."""
     output = work / "output"
-    meter = CpuMeter(output / "steps.jsonl")
+    meter = CpuMeter(output / "steps.jsonl", work / "collectives", pin)
     with (work / "torchrun.log").open("w") as log:
         proc = subprocess.Popen(
             [sys.executable, "-m", "torch.distributed.run", "--standalone",
              f"--nproc-per-node={ranks}", "-m", "trainer", "--config", str(job), "--steps",
              str(steps), "--set", "checkpoint.every=0", "--set", f'job.output_dir="{output}"'],
-            cwd=work, env={**_env(), "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"},
+            cwd=work, env={**_env(), "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
+                           **counting_env(work / "collectives")},
             stdout=subprocess.DEVNULL, stderr=log)
         try:
             deadline = time.monotonic() + 900
             while proc.poll() is None and time.monotonic() < deadline:
                 meter.sample([proc.pid], set(_descendants(proc.pid)))
-                time.sleep(0.5)
+                time.sleep(0.2 if pin else 0.5)
             if proc.poll() is None:
                 raise TimeoutError("torchrun did not finish in 900 s")
             if proc.returncode:
@@ -128,7 +248,8 @@ def run_bare(work: Path, job: Path, steps: int, ranks: int) -> tuple[list[float]
         finally:
             with contextlib.suppress(ProcessLookupError):
                 proc.kill()
-    return step_gaps(output / "steps.jsonl"), *meter.per_step(steps)
+    control, workers, calls = meter.per_step(steps)
+    return ArmRun(step_gaps(output / "steps.jsonl"), control, workers, calls / ranks)
 
 
 def cpu_seconds(pid: int) -> float:
@@ -155,17 +276,20 @@ def control_cpu_per_step(samples: list[tuple[int, float]], steps: int) -> float:
     return (middle[-1][1] - middle[0][1]) / (middle[-1][0] - middle[0][0])
 
 
-def run_ultrad(work: Path, job: Path, steps: int, nodes: int, snapshots: bool
-               ) -> tuple[list[float], float, float]:
+def run_ultrad(work: Path, job: Path, steps: int, nodes: int, snapshots: bool,
+               pin: bool = False) -> ArmRun:
     """Step gaps, and the CPU seconds per committed step of the agents and etcd together and
     of the workers."""
     from daemon.cli.local import LocalCluster, _call
     from proto.ultrascale.v1 import agent_pb2 as pb
 
-    cluster = LocalCluster(work / "state", nodes, 1, ttl=2, allowed_paths=(work,))
+    cluster = LocalCluster(work / "state", nodes, 1, ttl=2, allowed_paths=(work, job.parent))
     output = work / "output"
     pids: set[int] = set()
-    meter = CpuMeter(output / "steps.jsonl")
+    meter = CpuMeter(output / "steps.jsonl", work / "collectives", pin)
+    blocking, snapshot_bytes = float("nan"), 0
+    saved_env = dict(os.environ)
+    os.environ.update(counting_env(work / "collectives"))  # the agents pass it to workers
     try:
         cluster.start(timeout=90)
         token = cluster.token_file.read_text().strip()
@@ -183,14 +307,82 @@ def run_ultrad(work: Path, job: Path, steps: int, nodes: int, snapshots: bool
             meter.sample(control, pids)
             return _call(cluster, token, "GetStatus", pb.GetStatusRequest()).finished
 
-        _wait(finished, 900, "the job to finish", 0.5)
+        _wait(finished, 900, "the job to finish", 0.2 if pin else 0.5)
+        if snapshots:
+            metrics_url = json.loads((cluster.state_dir / "node-0" / "agent.json").read_text())[
+                "metrics_url"]
+            blocking = memory_blocking(metrics_url)
+            assert cluster.snapshot_dir is not None
+            snapshot_bytes = snapshot_step_bytes(cluster.snapshot_dir)
     finally:
+        os.environ.clear()
+        os.environ.update(saved_env)
         cluster.stop()
         for pid in pids:
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.kill(pid, 9)
     ready = standbys_ready(cluster.state_dir)
-    return (step_gaps(output / "steps.jsonl", after=ready), *meter.per_step(steps, ready))
+    control, workers, calls = meter.per_step(steps, ready)
+    return ArmRun(step_gaps(output / "steps.jsonl", after=ready), control, workers,
+                  calls / nodes, blocking, snapshot_bytes)
+
+
+def table(root: Path, job: Path, arms: list[str], runs: int, steps: int, ranks: int,
+          global_batch: int, pin: bool) -> None:
+    """Run every arm `runs` times, interleaved, and print the table."""
+    results: dict[str, list[ArmRun]] = {arm: [] for arm in arms}
+    for run in range(runs):
+        for arm in arms:
+            work = root / f"{'pinned' if pin else 'free'}-{arm}-{run}"
+            work.mkdir()
+            started = time.monotonic()
+            if arm == "bare":
+                r = run_bare(work, job, steps, ranks, pin)
+            else:
+                r = run_ultrad(work, job, steps, ranks, arm == "ultrad+snap", pin)
+            results[arm].append(r)
+            print(f"  {arm} run {run}: median step {statistics.median(r.gaps) * 1e3:.1f} ms "
+                  f"over {len(r.gaps)} steps ({time.monotonic() - started:.0f}s)",
+                  file=sys.stderr, flush=True)
+
+    def med(arm: str, value) -> float:
+        return statistics.median(value(r) for r in results[arm])
+
+    medians = {arm: [statistics.median(r.gaps) for r in results[arm]] for arm in arms}
+    base = statistics.median(medians["bare"]) if "bare" in medians else float("nan")
+    where = (f"1 rank pinned to CPU {min(TRAINING_CPU)}, everything else on CPU "
+             f"{min(OTHER_CPUS)}" if pin else f"{ranks} ranks, unpinned")
+    print(f"\nwall time per step, {where}, global batch {global_batch} (median over {runs} "
+          f"runs of each run's median over steps {WARMUP + 1}..{steps})")
+    total = {arm: med(arm, lambda r: r.control_cpu + r.worker_cpu) for arm in arms}
+    base_cpu = total.get("bare", float("nan"))
+    print(f"{'arm':<12} {'ms/step':>8} {'vs bare':>8} {'control CPU ms/step':>20} "
+          f"{'workers CPU ms/step':>20} {'all CPU ms/step':>16} {'vs bare':>8} "
+          f"{'collectives/step/rank':>22}")
+    for arm in arms:
+        m = statistics.median(medians[arm])
+        print(f"{arm:<12} {m * 1e3:>8.1f} {m / base:>7.3f}x "
+              f"{med(arm, lambda r: r.control_cpu) * 1e3:>20.1f} "
+              f"{med(arm, lambda r: r.worker_cpu) * 1e3:>20.1f} {total[arm] * 1e3:>16.1f} "
+              f"{total[arm] / base_cpu:>7.2f}x {med(arm, lambda r: r.collectives):>22.2f}")
+    if "bare" in medians and runs > 1:
+        # The machine's speed drifts between runs; an arm against the bare loop of its own run
+        # cancels that drift.
+        print("\neach run against its own bare loop:")
+        for arm in arms:
+            if arm != "bare":
+                ratios = [a / b for a, b in zip(medians[arm], medians["bare"], strict=True)]
+                print(f"{arm:<12} median {statistics.median(ratios):.3f}x  "
+                      f"({', '.join(f'{r:.3f}' for r in ratios)})")
+    if pin and "ultrad+snap" in results:
+        snaps = results["ultrad+snap"]
+        nbytes = int(statistics.median(r.snapshot_bytes for r in snaps))
+        blocking = statistics.median(r.blocking for r in snaps)
+        copy = copy_seconds(nbytes) if nbytes else float("nan")
+        print(f"\na snapshot of {nbytes / 1e6:.2f} MB held the step {blocking * 1e3:.2f} ms "
+              f"(worker's report, mean over the run; median over runs); a plain copy of the "
+              f"same bytes on CPU {min(TRAINING_CPU)}: {copy * 1e3:.2f} ms "
+              f"({blocking / copy:.1f}x)")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -202,58 +394,30 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--global-batch", type=int, default=GLOBAL_BATCH)
     p.add_argument("--arms", default=",".join(ARMS),
                    help="comma-separated subset of " + ", ".join(ARMS) + " (ratios need bare)")
+    p.add_argument("--pin", action="store_true",
+                   help="first a table of 1 rank pinned to CPU 0, the rest on CPU 1")
     args = p.parse_args(argv)
     arms = [a for a in args.arms.split(",") if a]
     if not arms or any(a not in ARMS for a in arms):
         p.error(f"--arms: a comma-separated subset of {', '.join(ARMS)} (got {args.arms!r})")
     if args.runs < 1 or args.steps <= WARMUP + 2 or args.nodes < 1 or args.global_batch < 1:
         p.error("--runs >= 1, --steps > 7, --nodes >= 1 and --global-batch >= 1")
+    allowed = os.sched_getaffinity(0)
+    if args.pin and not allowed >= (TRAINING_CPU | OTHER_CPUS):
+        p.error(f"--pin needs CPUs {sorted(TRAINING_CPU | OTHER_CPUS)} (this process may use "
+                f"{sorted(allowed)})")
     root = Path(tempfile.mkdtemp(prefix="bench-overhead-"))
     job = write_job(root, args.global_batch)
-    medians: dict[str, list[float]] = {arm: [] for arm in arms}
-    control: dict[str, list[float]] = {arm: [] for arm in arms}
-    workers: dict[str, list[float]] = {arm: [] for arm in arms}
-    for run in range(args.runs):
-        for arm in arms:
-            work = root / f"{arm}-{run}"
-            work.mkdir()
-            started = time.monotonic()
-            if arm == "bare":
-                gaps, cpu, worker_cpu = run_bare(work, job, args.steps, args.nodes)
-            else:
-                gaps, cpu, worker_cpu = run_ultrad(work, job, args.steps, args.nodes,
-                                                   arm == "ultrad+snap")
-            control[arm].append(cpu)
-            workers[arm].append(worker_cpu)
-            medians[arm].append(statistics.median(gaps))
-            print(f"  {arm} run {run}: median step {medians[arm][-1] * 1e3:.1f} ms over "
-                  f"{len(gaps)} steps ({time.monotonic() - started:.0f}s)", file=sys.stderr,
-                  flush=True)
-    base = statistics.median(medians["bare"]) if "bare" in medians else float("nan")
-    print(f"\nwall time per step, {args.nodes} ranks, global batch {args.global_batch} "
-          f"(median over {args.runs} runs of each run's median over steps "
-          f"{WARMUP + 1}..{args.steps})")
-    total = {arm: statistics.median([c + w for c, w in zip(control[arm], workers[arm],
-                                                            strict=True)]) for arm in arms}
-    base_cpu = total.get("bare", float("nan"))
-    print(f"{'arm':<12} {'ms/step':>8} {'vs bare':>8} {'control CPU ms/step':>20} "
-          f"{'workers CPU ms/step':>20} {'all CPU ms/step':>16} {'vs bare':>8}")
-    for arm in arms:
-        m = statistics.median(medians[arm])
-        print(f"{arm:<12} {m * 1e3:>8.1f} {m / base:>7.2f}x "
-              f"{statistics.median(control[arm]) * 1e3:>20.1f} "
-              f"{statistics.median(workers[arm]) * 1e3:>20.1f} {total[arm] * 1e3:>16.1f} "
-              f"{total[arm] / base_cpu:>7.2f}x")
-    if "bare" in medians and args.runs > 1:
-        # The machine's speed drifts between runs; an arm against the bare loop of its own run
-        # cancels that drift.
-        print("\neach run against its own bare loop:")
-        for arm in arms:
-            if arm != "bare":
-                ratios = [a / b for a, b in zip(medians[arm], medians["bare"], strict=True)]
-                print(f"{arm:<12} median {statistics.median(ratios):.2f}x  "
-                      f"({', '.join(f'{r:.2f}' for r in ratios)})")
-    shutil.rmtree(root, ignore_errors=True)
+    try:
+        if args.pin:
+            os.sched_setaffinity(0, OTHER_CPUS)  # every process started from here inherits it
+            try:
+                table(root, job, arms, args.runs, args.steps, 1, args.global_batch, pin=True)
+            finally:
+                os.sched_setaffinity(0, allowed)
+        table(root, job, arms, args.runs, args.steps, args.nodes, args.global_batch, pin=False)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
     return 0
 
 

@@ -2,7 +2,7 @@
 
 The agent's requests ride on the step's own agreement (trainer.agreement), so the worker adds
 no collective per step. Counted, not assumed: every `torch.distributed` collective call of each
-rank is counted (tests/collectives/sitecustomize.py) in runs of 3 and 6 steps of each arm; the
+rank is counted (bench/collectives/sitecustomize.py) in runs of 3 and 6 steps of each arm; the
 difference over the 3 extra steps is the steady per-step count (start-up, restore and the
 final checkpoint cancel out).
 """
@@ -23,12 +23,12 @@ from tests.distributed.fake_agent import FakeAgent, run_workers, tail
 
 pytestmark = pytest.mark.distributed
 WORLD = 2
-COUNTER = REPO / "tests" / "collectives"
+COUNTER = REPO / "bench" / "collectives"
 
 
 def _counting(out: Path) -> dict[str, str]:
     out.mkdir(parents=True)
-    return {"ULTRA_TEST_COLLECTIVES": str(out), "PYTHONPATH": f"{COUNTER}:{REPO}"}
+    return {"ULTRA_COUNT_COLLECTIVES": str(out), "PYTHONPATH": f"{COUNTER}:{REPO}"}
 
 
 def _per_rank(out: Path) -> list[dict[str, int]]:

@@ -1,17 +1,19 @@
-"""Counts this process's torch.distributed collectives, for tests that compare step paths.
+"""Counts a training process's torch.distributed collectives (bench.overhead, and a test).
 
-Active only when $ULTRA_TEST_COLLECTIVES names a directory and this directory is first on
-PYTHONPATH (Python imports `sitecustomize` at start-up). Every call of a public collective of
-`torch.distributed` (as the code under test calls it: `dist.<name>(...)`) adds one to its
-name's count, and the counts are rewritten to `<dir>/<pid>.json` at once (a worker may leave
-with os._exit). Never imported by the product.
+Active when $ULTRA_COUNT_COLLECTIVES names a directory, this directory is on PYTHONPATH ahead
+of site-packages (Python imports `sitecustomize` at start-up) and the process runs the trainer
+(`-m trainer...`): agents and launchers are left alone. Every call of a public collective of
+`torch.distributed` (as the trainer calls them: `dist.<name>(...)`) adds one to its name's
+count, and the counts are rewritten to `<dir>/<pid>.json` at once (a worker may leave with
+os._exit). Never imported by the product.
 """
 
 from __future__ import annotations
 
 import os
+import sys
 
-_OUT = os.environ.get("ULTRA_TEST_COLLECTIVES")
+_OUT = os.environ.get("ULTRA_COUNT_COLLECTIVES")
 
 COLLECTIVES = (
     "all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_object", "all_to_all",
@@ -44,5 +46,5 @@ def _install(out: str) -> None:
             setattr(dist, name, counted(name, getattr(dist, name)))
 
 
-if _OUT:
+if _OUT and any(arg == "trainer" or arg.startswith("trainer.") for arg in sys.orig_argv):
     _install(_OUT)
