@@ -54,14 +54,15 @@ class Elastic:
     """A LocalCluster plus the job's paths and the calls the tests make."""
 
     def __init__(self, root: Path, token_file: Path, nodes: int, every: int = 4,
-                 keep: int = 2) -> None:
+                 keep: int = 2, fault: dict[str, float] | None = None) -> None:
         self.root = root
         self.cluster = LocalCluster(root / "state", nodes, 1, ttl=TTL)
         self.output = root / "output"
         self.job_path = root / "job.toml"
         self.job_path.write_text(small_job_text(
             token_file, job={"name": "elastic"}, train={"steps": STEPS},
-            checkpoint={"dir": "checkpoints", "every": every, "keep": keep}))
+            checkpoint={"dir": "checkpoints", "every": every, "keep": keep},
+            **({"fault": fault} if fault else {})))
         self.workers: set[int] = set()  # every worker pid seen, killed at the end if still alive
 
     @property
@@ -161,7 +162,7 @@ def elastic(tmp_path: Path, token_file: Path, monkeypatch: pytest.MonkeyPatch):
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     made: list[Elastic] = []
 
-    def make(nodes: int, **job: int) -> Elastic:
+    def make(nodes: int, **job: Any) -> Elastic:
         e = Elastic(tmp_path, token_file, nodes, **job)
         made.append(e)
         e.start()
@@ -227,12 +228,26 @@ def generations(lines: list[dict[str, Any]]) -> dict[int, int]:
 
 
 def test_join_mid_run_no_lost_step(elastic, reference) -> None:
-    e = elastic(2)
+    # The workers are held (SIGSTOP) while node-2's agent starts: its start-up (seconds on a
+    # loaded machine) could otherwise outlast the job's remaining ~2 s of steps. Held workers
+    # send no heartbeats and commit no steps: the job's deadlines allow for it.
+    e = elastic(2, fault={"heartbeat_timeout_s": 60.0, "hang_floor_s": 120.0})
     e.submit()
     e.wait_step(TRIGGER_STEP)
     assert set(generations(e.lines()).values()) == {2}
-    e.cluster.start_agent("node-2")
-    e.cluster.wait_agent("node-2", time.monotonic() + 60)
+    e.note_workers()
+    held = sorted(e.workers)
+    for pid in held:
+        os.kill(pid, signal.SIGSTOP)
+    try:
+        e.cluster.start_agent("node-2")
+        e.cluster.wait_agent("node-2", time.monotonic() + 60)
+        wait_until(lambda: any(ev["kind"] == "node-joined" and ev["node"] == "node-2"
+                               for ev in e.events()), 60, "node-2's join event", interval=0.2)
+    finally:
+        for pid in held:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGCONT)
     statuses = e.wait_finished()
 
     gens = generations(e.lines())
