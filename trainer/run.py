@@ -22,8 +22,9 @@ def _log(msg: str) -> None:
 def init_distributed(timeout: timedelta) -> tuple[torch.device, str]:
     """Join torchrun's world, or form a world of one when not launched by torchrun."""
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    # Ranks share the host's cores; oversubscribing threads makes every rank slower.
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
+    # Ranks share the cores this process may run on (its CPU affinity: taskset, a cgroup
+    # cpuset); oversubscribing threads makes every rank slower.
+    torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // local_world))
     device, backend, device_type = select_device(int(os.environ.get("LOCAL_RANK", "0")))
     if "RANK" in os.environ:
         dist.init_process_group(backend, timeout=timeout)
