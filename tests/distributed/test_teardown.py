@@ -235,16 +235,29 @@ def _blocked_on_a_survivor(rank: int, port: int, out: str) -> None:
         # shutdown destroying a gloo group whose pair failed may abort the process
         # ("terminate called without an active exception", seen once in a CI run).
         os._exit(0)
-    try:
-        dist.all_reduce(torch.ones(4))
-        error = ""
-    except RuntimeError as exc:
-        error = str(exc)[:200]
-    severed = sever_connections()
-    deadline = time.monotonic() + 30
-    while not failed.exists() and time.monotonic() < deadline:
-        time.sleep(0.05)
-    torch.save({"error": error, "severed": severed, "peer_failed": failed.exists()}, out)
+    # Rank 1 failed once in CI without writing its result: whatever ends or holds it from here
+    # leaves its cause behind (an exception's traceback, or every thread's stack after 60 s).
+    import faulthandler
+    import traceback
+
+    with open(f"{out}.rank1-stacks", "w") as stacks:
+        faulthandler.dump_traceback_later(60, file=stacks)
+        try:
+            try:
+                dist.all_reduce(torch.ones(4))
+                error = ""
+            except RuntimeError as exc:
+                error = str(exc)[:200]
+            severed = sever_connections()
+            deadline = time.monotonic() + 30
+            while not failed.exists() and time.monotonic() < deadline:
+                time.sleep(0.05)
+            torch.save({"error": error, "severed": severed, "peer_failed": failed.exists()}, out)
+        except BaseException:
+            Path(f"{out}.rank1-error").write_text(traceback.format_exc())
+            raise
+        finally:
+            faulthandler.cancel_dump_traceback_later()
     os._exit(0)  # as rank 0: the result is on disk, the failed groups are never freed
 
 
@@ -256,8 +269,15 @@ def test_a_failed_rank_severs_its_connections_so_peers_blocked_on_it_fail_at_onc
     out = tmp_path / "out"
     context = mp.start_processes(_blocked_on_a_survivor, args=(_free_port(), str(out)),
                                  nprocs=3, start_method="spawn", join=False)
-    while not context.join():  # returns as each process ends (rank 1 within 30 s)
-        pass
+    try:
+        while not context.join():  # returns as each process ends (rank 1 within 30 s)
+            pass
+    finally:
+        if not out.exists():  # what rank 1 left of its cause, in the failure's report
+            for name in ("out.rank1-error", "out.rank1-stacks", "out.rank0-failed"):
+                path = tmp_path / name
+                if path.exists():
+                    print(f"--- {name}:\n{path.read_text()[-4000:]}")
     result = torch.load(out)
     assert result["error"], "rank 1 did not see rank 2 exit"
     assert result["severed"] > 0
