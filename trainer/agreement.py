@@ -48,17 +48,17 @@ class StepAgreement:
     requests: Agreement  # the maximum over the ranks of the requests each had seen
 
 
-def agree_step(loss: float, grad_norm: float, seen: Agreement, distributed: bool,
-               group: dist.ProcessGroup | None = None) -> StepAgreement:
-    """One all-reduce (MAX) over `group` (the world by default) when `distributed`: the
-    non-finite flags of this rank's loss and gradient norm, and the requests it has seen."""
+def agree_step(loss: float, grad_norm: float, seen: Agreement, distributed: bool
+               ) -> StepAgreement:
+    """One all-reduce (MAX) over the world when `distributed`: the non-finite flags of this
+    rank's loss and gradient norm, and the requests it has seen."""
     fields = torch.tensor(
         [not math.isfinite(loss), not math.isfinite(grad_norm),
          seen.stop_now, seen.stop, seen.checkpoint_seq],
         dtype=torch.int64,
     )
     if distributed:
-        dist.all_reduce(fields, op=dist.ReduceOp.MAX, group=group)
+        dist.all_reduce(fields, op=dist.ReduceOp.MAX)
     loss_bad, grad_bad, stop_now, stop, seq = (int(x) for x in fields.tolist())
     return StepAgreement(skipped=skip_reason(bool(loss_bad), bool(grad_bad)),
                          requests=Agreement(stop_now=bool(stop_now), stop=bool(stop),
