@@ -328,10 +328,16 @@ def test_etcd_killed_and_restarted_training_continues(elastic, reference) -> Non
 def test_checkpoint_requests_take_effect_at_an_agreed_step_none_skipped(elastic) -> None:
     """`ultractl checkpoint`, twice, with ~0.1 s steps and no periodic checkpoints: each request
     gives a checkpoint at a step no rank had passed when it was made (requests that arrive
-    between the same two steps are answered by one checkpoint)."""
-    e = elastic(2, every=0, keep=10)
+    between the same two steps are answered by one checkpoint).
+
+    The workers are held (SIGSTOP) while each request is made: `ultractl`'s start-up (seconds on
+    a loaded machine) could otherwise outlast the job's remaining steps, and the step read
+    before the request is then exactly the step no rank has passed."""
+    e = elastic(2, every=0, keep=10, fault={"heartbeat_timeout_s": 60.0, "hang_floor_s": 120.0})
     e.submit()
     e.wait_step(TRIGGER_STEP)
+    e.note_workers()
+    held = sorted(e.workers)
     root = e.output / "checkpoints"
 
     def checkpoints() -> list[int]:
@@ -342,8 +348,15 @@ def test_checkpoint_requests_take_effect_at_an_agreed_step_none_skipped(elastic)
 
     answered: list[tuple[int, int]] = []  # (step when asked, step checkpointed)
     for _ in range(2):
-        asked_at, before = e.step(), checkpoints()
-        result = e.ctl("checkpoint")
+        for pid in held:
+            os.kill(pid, signal.SIGSTOP)
+        try:
+            asked_at, before = e.step(), checkpoints()
+            result = e.ctl("checkpoint")
+        finally:
+            for pid in held:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGCONT)
         assert result.returncode == 0, result.stderr
         new = wait_until(lambda b=before: sorted(set(checkpoints()) - set(b)), 60,
                          "the requested checkpoint", interval=0.05)
