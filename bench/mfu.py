@@ -1,10 +1,14 @@
 """Model FLOPs utilisation of the trainer on one accelerator (or CPU, for a smoke run).
 
-`python -m bench.mfu [--size 350m|1b|tiny] [--steps N] [--precision bf16|fp32]` launches the real
-trainer (`torchrun --nproc-per-node 1 -m trainer`) on a synthetic token file and reports the
+`python -m bench.mfu [--size 350m|1b|tiny] [--steps N] [--precision bf16|fp32] [--profile]` launches
+the real trainer (`torchrun --nproc-per-node 1 -m trainer`) on a synthetic token file and reports the
 median step time, tokens/s and MFU = achieved model FLOP/s / peak FLOP/s. Model FLOPs per token
 follow the playbook ("Memory usage in Transformers" / compute): 6·N for the dense weights plus
 12·L·h·s for attention scores and values (forward + backward), N excluding the embedding.
+
+`--profile` also traces steps 4 and 5 (`[profile]`, left out of the step time) and prints where
+they went: the fraction of the step the GPU was busy, the kernels that took the most of it, and
+the CUDA runtime calls the host spent the most time in (synchronizations show up there).
 """
 
 from __future__ import annotations
@@ -65,6 +69,35 @@ mixed_precision = "{precision}"
 """
 
 
+def summarize_trace(path: Path, top: int = 12) -> str:
+    """Where the traced steps went, from a torch.profiler Chrome trace."""
+    events = [e for e in json.loads(path.read_text())["traceEvents"] if e.get("ph") == "X"]
+    steps = [e for e in events if str(e.get("name", "")).startswith("train_step#")]
+    wall = sum(float(e["dur"]) for e in steps) or float("nan")
+
+    def total(category: str) -> dict[str, float]:
+        out: dict[str, float] = {}
+        for e in events:
+            if e.get("cat") == category:
+                out[e["name"]] = out.get(e["name"], 0.0) + float(e["dur"])
+        return out
+
+    spans = sorted((float(e["ts"]), float(e["ts"]) + float(e["dur"]))
+                   for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset"))
+    busy, end = 0.0, float("-inf")
+    for start, stop in spans:
+        if stop > end:
+            busy += stop - max(start, end)
+            end = stop
+    lines = [f"traced {len(steps)} steps: {wall / 1e3 / max(len(steps), 1):.1f} ms each, GPU "
+             f"busy {busy / wall:.0%} of them"]
+    for title, table in (("kernels", total("kernel")), ("CUDA runtime", total("cuda_runtime"))):
+        lines.append(f"{title} (ms per step, share of the step):")
+        for name, dur in sorted(table.items(), key=lambda kv: -kv[1])[:top]:
+            lines.append(f"  {dur / 1e3 / max(len(steps), 1):8.2f} {dur / wall:6.1%}  {name[:90]}")
+    return "\n".join(lines)
+
+
 def peak_flops(precision: str) -> tuple[float, str]:
     import torch
 
@@ -82,7 +115,9 @@ def main() -> int:
     ap.add_argument("--size", choices=SIZES, default="tiny")
     ap.add_argument("--steps", type=int, default=12)
     ap.add_argument("--precision", choices=("bf16", "fp32"), default="bf16")
+    ap.add_argument("--profile", action="store_true", help="trace steps 4-5 and summarize them")
     args = ap.parse_args()
+    traced = (4, 5) if args.profile else ()
     h, i, layers, heads, kv, seq, gb, _ = SIZES[args.size]
     with tempfile.TemporaryDirectory() as tmp:
         data = Path(tmp) / "tokens.bin"
@@ -95,7 +130,10 @@ def main() -> int:
             tokenizer="none",
         )
         job = Path(tmp) / "job.toml"
-        job.write_text(job_text(args.size, data, args.steps, args.precision))
+        text = job_text(args.size, data, args.steps, args.precision)
+        if traced:
+            text += f'[job]\noutput_dir = "{tmp}/out"\n[profile]\nsteps = {list(traced)}\n'
+        job.write_text(text)
         cmd = [
             sys.executable,
             "-m",
@@ -116,7 +154,11 @@ def main() -> int:
             print(proc.stderr[-4000:], file=sys.stderr)
             return 1
         records = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
-    times = [r["step_seconds"] for r in records[2:]]  # drop warm-up steps
+        summary = "\n".join(summarize_trace(p) for p in
+                            sorted((Path(tmp) / "out" / "profile").rglob("*.json"))) \
+            if traced else ""
+    # Warm-up steps and traced ones (the profiler slows them) left out.
+    times = [r["step_seconds"] for r in records[2:] if r["step"] not in traced]
     step = statistics.median(times)
     tokens = gb * seq
     flops = model_flops_per_token(h, i, layers, heads, kv, seq) * tokens / step
@@ -129,6 +171,8 @@ def main() -> int:
         f"{flops / 1e12:8.1f} {flops / peak:6.1%}"
     )
     print(f"losses: {records[0]['loss']:.3f} -> {records[-1]['loss']:.3f}")
+    if summary:
+        print(summary)
     return 0
 
 

@@ -64,9 +64,10 @@ class ResolvedTemplate:
     sources: tuple[Callable[[], torch.Tensor | Any] | torch.Tensor, ...]
     is_bytes: tuple[bool, ...]
     storages: frozenset[int]  # what the views alias
-    # Each tensor item's bytes as a memoryview of the live tensor's own memory (contiguous CPU
-    # tensors): written as they are, with no per-item conversion. None: converted each time.
-    views: tuple[memoryview | None, ...] = ()
+    # Each tensor item's bytes as a flat uint8 view of the live tensor's own memory (contiguous
+    # tensors), which reads its values at every use: copied as they are, with no per-item
+    # conversion. None: converted each time (a byte item, the RNG state, a non-contiguous one).
+    views: tuple[torch.Tensor | None, ...] = ()
     # Byte item index -> (its value, its slot) as last written: a value that did not change
     # (hyper-parameters, mostly) is not pickled again.
     slots: dict[int, tuple[Any, bytes]] = field(default_factory=dict, compare=False, repr=False)
@@ -124,12 +125,12 @@ def build(state: TrainState, flat: dict[str, Any], items: list[tuple[Any, Any, b
     return ResolvedTemplate(tuple(sources), tuple(is_bytes), frozenset(aliased), tuple(views))
 
 
-def _memory_of(data: torch.Tensor) -> memoryview | None:
+def _memory_of(data: torch.Tensor) -> torch.Tensor | None:
     """`data`'s bytes as a view of its own memory, which reads its values at every use: only
-    for a contiguous CPU tensor (anything else needs a copy, which would not follow updates)."""
-    if data.device.type != "cpu" or not data.is_contiguous() or data.numel() == 0:
+    for a contiguous tensor (anything else needs a copy, which would not follow updates)."""
+    if not data.is_contiguous() or data.numel() == 0:
         return None
-    return memoryview(data.detach().reshape(-1).view(torch.uint8).numpy())
+    return data.detach().reshape(-1).view(torch.uint8)
 
 
 def _same(a: Any, b: Any) -> bool:

@@ -40,6 +40,7 @@ METADATA_NAME = ".metadata"
 # 4 MiB: big enough that per-chunk overhead is noise, small enough that a byte-range read
 # verifies little beyond what it asked for.
 CHUNK_BYTES = 4 << 20
+_PREAD_MAX = 0x7FFFF000  # the most one read(2) returns on Linux
 _STEP_DIR = re.compile(r"step_(\d{8,})")
 
 
@@ -233,7 +234,8 @@ def record_rank(file: str) -> int | None:
     return int(match.group(1)) if match else None
 
 
-def read_held(root: Path, step: int, file: str, offset: int, length: int) -> bytes | None:
+def read_held(root: Path, step: int, file: str, offset: int, length: int
+              ) -> bytes | bytearray | None:
     """Raw bytes [offset, offset + length) (length < 0: to the end) of `file` of snapshot
     `step` under `root`; None when it is not there. Unverified: readers check what they use.
     Raises SnapshotInvalid for a name that is not a snapshot file's."""
@@ -247,9 +249,31 @@ def read_held(root: Path, step: int, file: str, offset: int, length: int) -> byt
     try:
         if length < 0:
             length = max(0, os.fstat(fd).st_size - offset)
-        return os.pread(fd, length, offset)
+        return pread_all(fd, length, offset)
     finally:
         os.close(fd)
+
+
+def pread_all(fd: int, length: int, offset: int) -> bytes | bytearray:
+    """`length` bytes of `fd` from `offset` (fewer only at its end). One pread(2) returns at
+    most 2 GiB - 4 KiB on Linux: a bigger shard or item is read into one buffer, in pieces."""
+    if length <= _PREAD_MAX:
+        return os.pread(fd, length, offset)
+    buffer = bytearray(length)
+    view = memoryview(buffer)
+    done = 0
+    while done < length:
+        got = os.preadv(fd, [view[done:done + _PREAD_MAX]], offset + done)
+        if got == 0:
+            return bytes(view[:done])
+        done += got
+    return buffer
+
+
+def record_bytes(step: int, entry: FileEntry) -> bytes:
+    """A rank's record of its shard of `step`: written after the shard, which it declares whole
+    (`parse_record` reads it)."""
+    return json.dumps({"step": step, **entry.to_json()}).encode()
 
 
 def parse_record(data: bytes, step: int, entry: FileEntry, where: str) -> FileEntry:

@@ -18,6 +18,7 @@ from checkpoint.snapshot_format import (
     chunk_span,
     parse_record,
     parse_step_dir,
+    pread_all,
     read_manifest,
     record_name,
     record_rank,
@@ -125,7 +126,7 @@ class SnapshotStore:
         except FileNotFoundError:
             raise SnapshotInvalid(f"{where} is missing") from None
         try:
-            data = os.pread(fd, end - start, start)
+            data = pread_all(fd, end - start, start)
         finally:
             os.close(fd)
         verify_span(entry, start, end, data, where)

@@ -1,8 +1,10 @@
 """Per-step snapshots: a DCP `StorageWriter` into POSIX shared memory (docs/snapshots.md).
 
 Each rank writes its shard straight into a shared-memory file as raw bytes (no pickling of
-tensors), so the step blocks for about one memory copy plus checksumming and DCP's planning.
-The files outlive the worker: the node's agent, not the worker, frees them.
+tensors). A generation's first snapshot is a DCP save (planning, collectives, the copy and the
+checksums all on the step); every later one is a rewrite of the same layout, of which only the
+copy into a host buffer holds the step (`stage_rewrite`, checkpoint/snapshot_staging.py). The
+files outlive the worker: the node's agent, not the worker, frees them.
 
 The coordinator writes DCP's `.metadata` and then the manifest, last: a snapshot whose writer
 died at any earlier point has no manifest and is never complete.
@@ -16,7 +18,6 @@ from __future__ import annotations
 
 import dataclasses
 import io
-import json
 import os
 import pickle
 import time
@@ -30,6 +31,7 @@ from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItemType
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
+from torch.distributed.tensor import DTensor
 from torch.futures import Future
 
 from checkpoint import snapshot_fastpath as fastpath
@@ -45,12 +47,14 @@ from checkpoint.snapshot_format import (
     crc32c_update,
     create_private_file,
     private_dirs,
+    record_bytes,
     record_name,
     shard_name,
     slot,
     step_dir,
     write_atomically,
 )
+from checkpoint.snapshot_staging import HostStaging, StagedShard, tensor_as_bytes
 from checkpoint.state import TrainState
 
 # The index under which a rank's write results carry its FileEntry to the coordinator:
@@ -97,7 +101,6 @@ class _Payload:
     data: torch.Tensor | bytes
     offset: int
     length: int
-    view: memoryview | None = None  # the tensor's bytes, when already at hand (fast path)
 
 
 def tensor_bytes(data: torch.Tensor) -> memoryview:
@@ -112,8 +115,6 @@ def tensor_bytes(data: torch.Tensor) -> memoryview:
 
 def _bytes_of(p: _Payload) -> memoryview:
     """A tensor item's bytes."""
-    if p.view is not None:
-        return p.view
     assert isinstance(p.data, torch.Tensor)
     return tensor_bytes(p.data) if p.length else memoryview(b"")
 
@@ -249,7 +250,7 @@ class SnapshotWriter(StorageWriter):
             os.close(fd)
         self.copy_seconds = time.perf_counter() - started - self.checksum_seconds
         entry = FileEntry(path=name, rank=self.rank, size=size, chunks=chunks)
-        write_atomically(self.directory / record_name(self.rank), _record_json(self.step, entry))
+        write_atomically(self.directory / record_name(self.rank), record_bytes(self.step, entry))
         return entry
 
     def _fill(self, fd: int, size: int, payloads: list[_Payload]) -> tuple[int, ...]:
@@ -330,10 +331,6 @@ def _restorable(raw: bytes, fqn: str) -> bytes:
     return raw
 
 
-def _record_json(step: int, entry: FileEntry) -> bytes:
-    return json.dumps({"step": step, **entry.to_json()}).encode()
-
-
 def save_snapshot(
     state: TrainState,
     root: Path,
@@ -360,45 +357,89 @@ def rewrite_snapshot(
     *,
     layout: dict[str, Any],
     resolved: fastpath.ResolvedTemplate | None = None,
+    staging: HostStaging | None = None,
 ) -> SnapshotWriter:
-    """Snapshot `state` with the layout a full save of the same generation fixed: every item
-    rewritten at its offset, no planning and no collective, so the step pays the copy and the
-    checksums only. A byte item that outgrew its slot raises ValueError (this rank's shard of
-    the step is then missing and the step cannot be assembled; the next full save re-plans).
-
-    With `resolved` (the previous rewrite's `writer.resolved`) and while it is still valid, the
-    items are not looked up again (checkpoint/snapshot_fastpath.py); the writer's `resolved` is
-    what the next rewrite may use (None: no fast path for this state).
-    """
-    writer = SnapshotWriter(root, step=state.progress.step,
+    """Snapshot `state` with the layout a full save of the same generation fixed: `stage_rewrite`
+    then its write, in the caller's thread (trainer.snapshots runs the write on a thread of its
+    own). Returns a writer with the template, the fast path and the timings."""
+    staged = stage_rewrite(state, root, template, coordinator, layout=layout, resolved=resolved,
+                           staging=staging)
+    staged.write()
+    writer = SnapshotWriter(root, step=staged.step,
                             consumed_samples=state.progress.consumed_samples, layout=layout)
-    writer.rank = template.rank
+    writer.rank, writer.template, writer.coordinator = template.rank, template, coordinator
+    writer.resolved = staged.resolved
+    writer.copy_seconds = staged.stage_seconds + staged.write_seconds
+    writer.checksum_seconds = staged.checksum_seconds
+    return writer
+
+
+def staging_for(state: TrainState, template: Template) -> HostStaging:
+    """The host buffer every rewrite of `template`'s generation copies `state` into."""
+    tensor_items = [i for i, (item, _, length) in enumerate(template.items)
+                    if item.type != WriteItemType.BYTE_IO and length]
+    return HostStaging(template.items, template.size, tensor_items, state_device(state))
+
+
+def state_device(state: TrainState) -> torch.device:
+    """Where the state's tensors live (its first parameter's local shard)."""
+    for parameter in state.model.parameters():
+        local = parameter.to_local() if isinstance(parameter, DTensor) else parameter
+        return local.device
+    return torch.device("cpu")
+
+
+def stage_rewrite(
+    state: TrainState,
+    root: Path,
+    template: Template,
+    coordinator: CoordinatorTemplate | None,
+    *,
+    layout: dict[str, Any],
+    resolved: fastpath.ResolvedTemplate | None = None,
+    staging: HostStaging | None = None,
+) -> StagedShard:
+    """The part of a rewrite that holds the step (checkpoint/snapshot_staging.py): every item
+    resolved from the current state as the full save of the same generation fixed them, the
+    tensors copied into `staging` (made here when None), the byte items' values captured. No
+    planning and no collective. Its `write()` does the rest.
+
+    With `resolved` (the previous rewrite's) and while it is still valid, the items are not
+    looked up again (checkpoint/snapshot_fastpath.py); the result's `resolved` is what the
+    next rewrite may use (None: no fast path for this state).
+    """
     started = time.perf_counter()
     if resolved is not None and resolved.usable(state):
         sources = list(resolved.resolve())
-        writer.resolved = resolved
     else:
         planner = DefaultSavePlanner()
         planner.set_up_planner({"state": state.state_dict()}, None, coordinator is not None)
         sources = [(planner.lookup_object(item.index), True)
                    if item.type == WriteItemType.BYTE_IO else (planner.resolve_data(item), False)
                    for item, _, _ in template.items]
-        writer.resolved = fastpath.build(state, planner.state_dict, [
+        resolved = fastpath.build(state, planner.state_dict, [
             (item, data, is_bytes) for (item, _, _), (data, is_bytes)
             in zip(template.items, sources, strict=True)])
-    fast = writer.resolved
-    views = fast.views if fast is not None else (None,) * len(template.items)
-    payloads = []
-    for index, ((item, offset, length), (data, is_bytes), view) in enumerate(
+    if staging is None:
+        staging = staging_for(state, template)
+    views = resolved.views if resolved is not None else (None,) * len(template.items)
+    values: dict[int, Any] = {}
+    tensors: list[torch.Tensor] = []
+    for index, ((_, _, length), (data, is_bytes), view) in enumerate(
             zip(template.items, sources, views, strict=True)):
         if is_bytes:
-            data = fast.slotted(index, data, length) if fast is not None \
-                else slot(pickle.dumps(data), length)
-        payloads.append(_Payload(item, data, offset, length, view))
-    writer.make_directory()
-    writer._write_shard(payloads, template.size, started)
-    if coordinator is not None:
-        coordinator.write(writer.directory, writer.step, writer.consumed_samples, layout,
-                          template.rank)
-    writer.template, writer.coordinator = template, coordinator
-    return writer
+            values[index] = data
+        elif length:
+            tensors.append(view if view is not None else tensor_as_bytes(data))
+    staging.copy(tensors)
+    step, consumed = state.progress.step, state.progress.consumed_samples
+    directory = step_dir(root, step)
+
+    def finish_coordinator() -> None:
+        assert coordinator is not None
+        coordinator.write(directory, step, consumed, layout, template.rank)
+
+    return StagedShard(
+        directory=directory, rank=template.rank, step=step, values=values, staging=staging,
+        resolved=resolved, finish_coordinator=finish_coordinator if coordinator else None,
+        stage_seconds=time.perf_counter() - started)

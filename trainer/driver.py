@@ -157,6 +157,8 @@ class GenerationDriver:
             if snapshot_root is not None and every > 0
             else None
         )
+        if self.snapshots is not None:
+            self.trainer.before_update = self.snapshots.fence
         self.profiler = StepProfiler(job.profile, self.rank, output_dir(job) or Path("."), device)
         self._saved_step = -1
         self._skipped = False  # the last step was skipped (trainer.nonfinite): not a good state
@@ -277,6 +279,11 @@ class GenerationDriver:
             self.snapshots.take(self.trainer.state)
             self._blocked.memory = self.snapshots.blocking_seconds
 
+    def drain_snapshots(self) -> None:
+        """Wait until the last snapshot is written (its write runs off the step)."""
+        if self.snapshots is not None:
+            self.snapshots.drain()
+
     def train_step(self, seen: Callable[[], Agreement] | None = None) -> StepResult:
         """One step; `seen`: the agent's requests (Trainer.train_step)."""
         with self.profiler.step(self.step + 1), self.memory.measure():
@@ -285,8 +292,10 @@ class GenerationDriver:
         return dataclasses.replace(result, memory=self.memory.last)
 
     def close(self) -> None:
-        """Whatever outlives the generation otherwise: an open profiler window."""
+        """Whatever outlives the generation otherwise: an open profiler window, the last
+        snapshot's write still under way."""
         self.profiler.close()
+        self.drain_snapshots()
 
     def commit(self, result: StepResult) -> None:
         """Record a step the ranks agreed to keep (a step abandoned for a newer generation is

@@ -132,6 +132,10 @@ def _total_norm(grads: list[torch.Tensor]) -> torch.Tensor:
     return norm.full_tensor() if isinstance(norm, DTensor) else norm
 
 
+
+def _nothing() -> None:
+    pass
+
 class Trainer:
     """Builds the model for a layout and runs steps. `mesh=None` is the single-process reference."""
 
@@ -146,6 +150,9 @@ class Trainer:
     ) -> None:
         self.cfg, self.layout, self.mesh, self.device = cfg, layout, mesh, device
         self.rank = dist.get_rank() if mesh is not None else 0
+        # Called before the optimizer changes the state in place: a snapshot's copy of the
+        # previous step must be done by then (trainer.snapshots.Snapshots.fence).
+        self.before_update: Callable[[], None] = _nothing
         self.inject, self._inject_loss = inject, False
         self.skips = SkipStreak(cfg.train.max_skipped_steps)
         self.devices = mesh.size() if mesh is not None else 1
@@ -305,6 +312,7 @@ class Trainer:
                                self.mesh is not None)
         skipped = agreement.skipped
         if not skipped:
+            self.before_update()
             self.optimizer.step()
             self._balance_experts(measured)
         self.optimizer.zero_grad(set_to_none=True)

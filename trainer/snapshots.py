@@ -2,7 +2,8 @@
 the tier the plan names, falling back to the next (docs/snapshots.md).
 
 Snapshots go into the node's shared memory (`$ULTRA_SNAPSHOT_ROOT`, owned by the agent), so a
-crashed worker loses nothing it finished writing; the agent replicates them to a buddy node
+crashed worker loses nothing it finished writing (a snapshot is written off the step, moments
+after it was taken); the agent replicates them to a buddy node
 and serves them to restoring workers anywhere. Taking one is collective (DCP), and every rank
 decides the same way (by step number), so no rank waits on another that skipped.
 """
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -20,11 +22,13 @@ from torch.distributed.checkpoint.api import CheckpointException
 from checkpoint.snapshot_fastpath import ResolvedTemplate
 from checkpoint.snapshot_format import SnapshotInvalid
 from checkpoint.snapshot_reader import Fetch, load_snapshot
+from checkpoint.snapshot_staging import HostStaging
 from checkpoint.snapshot_writer import (
     CoordinatorTemplate,
     Template,
-    rewrite_snapshot,
     save_snapshot,
+    stage_rewrite,
+    staging_for,
 )
 from checkpoint.state import TrainState
 
@@ -50,8 +54,11 @@ class Snapshots:
     failing the step.
 
     The first is a full DCP save (collective: it plans where every item goes and writes the
-    metadata); every later one rewrites the same items at the same offsets with no collective at
-    all (`rewrite_snapshot`), so a step pays about a memory copy and its checksums.
+    metadata), all of it on the step. Every later one rewrites the same items at the same
+    offsets with no collective at all: the step pays only the copy of the state into a host
+    buffer (`stage_rewrite`); the shard's write, its checksums and the records happen on a
+    thread of this rank's own while training goes on (checkpoint/snapshot_staging.py). A rewrite
+    waits for the previous one's write (they share the buffer), and `drain()` for the last.
     """
 
     def __init__(self, root: Path, every: int, layout: dict[str, Any],
@@ -59,10 +66,14 @@ class Snapshots:
         self.root, self.every, self.layout, self.log = Path(root), every, layout, log
         self.blocking_seconds = 0.0  # the last snapshot's time on the training path, failed or not
         self.failures = 0
+        self.rank = dist.get_rank() if dist.is_initialized() else 0
         self._template: Template | None = None
         self._coordinator: CoordinatorTemplate | None = None
         self._resolved: ResolvedTemplate | None = None
+        self._staging: HostStaging | None = None
         self._rewrites = 0
+        self._writer: ThreadPoolExecutor | None = None
+        self._pending: tuple[int, Future[None]] | None = None  # (step, its write)
 
     @property
     def next_is_full(self) -> bool:
@@ -76,29 +87,65 @@ class Snapshots:
         """Snapshot `state` now. A failure (shared memory full) is logged, not raised: the step
         is committed, only protection is lost. The full save fails on every rank alike (DCP
         gathers failures), so every rank tries it again at the next snapshot; a rewrite fails
-        on its rank alone, and that step cannot be assembled."""
+        on its rank alone, and that step cannot be assembled. False: this snapshot (or the
+        previous one's write, found failed now) failed."""
         started = time.perf_counter()
+        ok = self._settle()
         try:
             if self._template is None:
                 writer = save_snapshot(state, self.root, layout=self.layout)
                 self._template, self._coordinator = writer.template, writer.coordinator
             else:
+                if self._staging is None:
+                    self._staging = staging_for(state, self._template)
                 # Every so often the full lookup again, which also re-checks the fast path.
                 fresh = self._rewrites % _REVALIDATE_EVERY == 0
-                writer = rewrite_snapshot(state, self.root, self._template, self._coordinator,
-                                          layout=self.layout,
-                                          resolved=None if fresh else self._resolved)
-                self._resolved = writer.resolved
+                staged = stage_rewrite(state, self.root, self._template, self._coordinator,
+                                       layout=self.layout, staging=self._staging,
+                                       resolved=None if fresh else self._resolved)
+                self._resolved = staged.resolved
                 self._rewrites += 1
+                if self._writer is None:
+                    self._writer = ThreadPoolExecutor(1, thread_name_prefix="snapshot-write")
+                self._pending = (staged.step, self._writer.submit(staged.write))
         except (CheckpointException, OSError, ValueError) as exc:
             self.blocking_seconds = time.perf_counter() - started
-            self.failures += 1
-            if self.failures == 1 or dist.get_rank() == 0:
-                self.log(f"snapshot of step {state.progress.step} failed on rank "
-                         f"{dist.get_rank()}: {exc}"[:500])
+            self._failed(state.progress.step, exc)
             return False
         self.blocking_seconds = time.perf_counter() - started
+        return ok
+
+    def fence(self) -> None:
+        """Before an update of the state in place: on a GPU, the training stream waits for the
+        last snapshot's device-to-host copy (the host does not); nothing on CPU."""
+        if self._staging is not None:
+            self._staging.fence()
+
+    def drain(self) -> bool:
+        """Wait for the last snapshot's write (before the state is restored or the worker
+        exits); False: it failed (logged)."""
+        ok = self._settle()
+        if self._writer is not None:
+            self._writer.shutdown(wait=True)
+            self._writer = None
+        return ok
+
+    def _settle(self) -> bool:
+        if self._pending is None:
+            return True
+        step, write = self._pending
+        self._pending = None
+        try:
+            write.result()
+        except (OSError, ValueError) as exc:
+            self._failed(step, exc)
+            return False
         return True
+
+    def _failed(self, step: int, exc: BaseException) -> None:
+        self.failures += 1
+        if self.failures == 1 or self.rank == 0:
+            self.log(f"snapshot of step {step} failed on rank {self.rank}: {exc}"[:500])
 
 
 def restore_snapshot(state: TrainState, step: int, fetch: Fetch) -> tuple[str, int]:

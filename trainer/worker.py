@@ -223,6 +223,7 @@ class Generation:
                 self.teardown.refresh()
         finished = driver.step >= driver.last_step
         beat.phase("checkpoint")
+        driver.drain_snapshots()  # written before the agent plans from what the node holds
         driver.save_durably()
         self._report_commits(driver)
         link.report_done(gp, driver.step, driver.consumed_samples, stopped=not finished)

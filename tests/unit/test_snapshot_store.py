@@ -19,6 +19,7 @@ from checkpoint.snapshot_format import (
     SnapshotManifest,
     checksum,
     chunk_checksums,
+    read_held,
     record_name,
     shard_name,
     snapshot_root,
@@ -160,3 +161,24 @@ def test_a_shard_whose_record_is_missing_or_wrong_is_not_read(root):
     (directory / record_name(1)).write_text(json.dumps(raw))
     with pytest.raises(SnapshotInvalid, match="does not match the manifest"):
         store.read(9, shard_name(1), 0, 10)
+
+
+def test_a_shard_over_2_gib_is_read_whole(tmp_path: Path):
+    """One pread(2) returns at most 2 GiB - 4 KiB: a bigger shard (a 1B model's fp32 state is
+    several GiB per rank) must still come back whole. A sparse file on disk, so the test costs
+    one 2 GiB buffer and no 2 GiB of writing."""
+    size = (2 << 30) + 8192
+    directory = step_dir(tmp_path, 7)
+    directory.mkdir(parents=True)
+    with open(directory / shard_name(0), "wb") as f:
+        f.write(b"head")
+        f.truncate(size)
+        f.seek(size - 4)
+        f.write(b"end!")
+    data = read_held(tmp_path, 7, shard_name(0), 0, -1)
+    assert data is not None
+    assert len(data) == size, len(data)  # not the bytes themselves: 2 GiB of repr
+    assert data[:4] == b"head" and data[-4:] == b"end!"
+    del data
+    tail = read_held(tmp_path, 7, shard_name(0), size - 4, 100)  # past the end: what there is
+    assert tail == b"end!"

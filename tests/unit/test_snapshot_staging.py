@@ -1,0 +1,154 @@
+"""A snapshot rewrite holds the step only for its copy (checkpoint/snapshot_staging.py): the
+shard's write, checksums and records happen on the rank's writer thread, hold the values of the
+step the snapshot was taken at even when training has already changed the state, and a write
+that fails there is logged and counted. One process, no process group (DCP's single-process
+mode); the last test needs a GPU (run it where one is lent)."""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import checkpoint.snapshot_staging as staging_module
+from checkpoint.snapshot_format import record_name, shard_name, step_dir
+from checkpoint.snapshot_reader import load_snapshot, local_fetch
+from checkpoint.state import Progress, TrainState
+from trainer.snapshots import Snapshots
+
+pytestmark = pytest.mark.unit
+
+
+@pytest.fixture
+def shm():
+    root = Path(tempfile.mkdtemp(dir="/dev/shm" if Path("/dev/shm").is_dir() else None,
+                                 prefix="ultrascale-test-"))
+    yield root
+    shutil.rmtree(root, ignore_errors=True)
+
+
+def _state(device: str = "cpu") -> TrainState:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4)).to(device)
+    return TrainState(model, torch.optim.AdamW(model.parameters(), lr=0.01), Progress())
+
+
+def _train(state: TrainState, before_update=lambda: None) -> None:
+    device = next(state.model.parameters()).device
+    state.optimizer.zero_grad()
+    state.model(torch.randn(3, 16, device=device)).square().sum().backward()
+    before_update()
+    state.optimizer.step()
+    state.progress.step += 1
+    state.progress.consumed_samples += 3
+
+
+def _values(state: TrainState) -> dict[str, torch.Tensor]:
+    out = {f"model.{k}": v.detach().cpu().clone() for k, v in state.model.state_dict().items()}
+    for i, per_param in enumerate(state.optimizer.state.values()):
+        out |= {f"optim.{i}.{k}": v.detach().cpu().clone() for k, v in per_param.items()}
+    return out
+
+
+def _restored(root: Path, step: int) -> dict[str, torch.Tensor]:
+    fresh = _state()
+    _train(fresh)  # optimizer state exists, with other values
+    load_snapshot(fresh, step, local_fetch(root, step))
+    assert fresh.progress.step == step
+    return _values(fresh)
+
+
+def _assert_equal(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
+    assert got.keys() == want.keys()
+    for key in want:
+        assert torch.equal(got[key], want[key]), key
+
+
+def test_the_step_pays_the_copy_and_the_write_comes_after_with_the_step_values(shm, monkeypatch):
+    state = _state()
+    logged: list[str] = []
+    snapshots = Snapshots(shm, 1, {}, logged.append)
+    _train(state)
+    assert snapshots.take(state)  # the generation's first: a full save, on the step
+    assert (step_dir(shm, 1) / record_name(0)).is_file()
+
+    # Hold the writer thread where it would create the shard file.
+    release, reached = threading.Event(), threading.Event()
+    create = staging_module.create_private_file
+
+    def held_create(path, *args, **kwargs):
+        reached.set()
+        assert release.wait(30), "the test never released the writer"
+        return create(path, *args, **kwargs)
+
+    monkeypatch.setattr(staging_module, "create_private_file", held_create)
+    _train(state, snapshots.fence)
+    want = _values(state)
+    assert snapshots.take(state)  # returns with its write held: the write is off the step
+    assert reached.wait(30)
+    assert not (step_dir(shm, 2) / shard_name(0)).exists()
+    _train(state, snapshots.fence)  # the next step changes every tensor in place
+    assert not _values(state)["model.0.weight"].equal(want["model.0.weight"])
+    release.set()
+    assert snapshots.drain() and snapshots.failures == 0 and not logged
+    _assert_equal(_restored(shm, 2), want)
+
+
+def test_every_rewrite_restores_its_own_step(shm):
+    state = _state()
+    snapshots = Snapshots(shm, 1, {}, print)
+    wanted = {}
+    for _ in range(4):
+        _train(state, snapshots.fence)
+        wanted[state.progress.step] = _values(state)
+        assert snapshots.take(state)
+    assert snapshots.drain() and snapshots.failures == 0
+    for step, want in wanted.items():
+        _assert_equal(_restored(shm, step), want)
+
+
+def test_a_write_that_fails_off_the_step_is_logged_counted_and_leaves_no_record(shm):
+    state = _state()
+    logged: list[str] = []
+    snapshots = Snapshots(shm, 1, {}, logged.append)
+    _train(state)
+    assert snapshots.take(state)
+    _train(state)
+    # Something already holds step 2's shard name: the write (O_EXCL) must refuse it.
+    step_dir(shm, 2).mkdir(mode=0o700)
+    (step_dir(shm, 2) / shard_name(0)).write_bytes(b"planted")
+    assert snapshots.take(state)  # the copy itself succeeded
+    assert not snapshots.drain()
+    assert snapshots.failures == 1
+    assert len(logged) == 1 and "snapshot of step 2 failed on rank 0" in logged[0], logged
+    assert (step_dir(shm, 2) / shard_name(0)).read_bytes() == b"planted"
+    assert not (step_dir(shm, 2) / record_name(0)).exists()
+    # The next one is taken and written as usual.
+    _train(state)
+    want = _values(state)
+    assert snapshots.take(state) and snapshots.drain()
+    _assert_equal(_restored(shm, 3), want)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU (run where one is lent)")
+def test_on_a_gpu_the_copy_is_a_device_to_host_copy_the_update_waits_for(shm):
+    state = _state("cuda")
+    snapshots = Snapshots(shm, 1, {}, print)
+    _train(state, snapshots.fence)
+    assert snapshots.take(state)
+    assert snapshots._staging is None  # noqa: SLF001  (the first is a full save)
+    wanted = {}
+    for _ in range(5):
+        _train(state, snapshots.fence)
+        wanted[state.progress.step] = _values(state)
+        assert snapshots.take(state)
+    staging = snapshots._staging  # noqa: SLF001
+    assert staging is not None and staging.buffer.is_pinned() and staging.stream is not None
+    assert snapshots.drain() and snapshots.failures == 0
+    for step, want in wanted.items():
+        _assert_equal(_restored(shm, step), want)
