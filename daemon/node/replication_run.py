@@ -1,9 +1,9 @@
 """How far this node's part of the running generation's snapshots is replicated.
 
 A snapshot step is complete once every shard and the manifest are held by two nodes. Each node
-publishes its holdings at most once a `publish_s`, on its own clock, and holds only its newest
-two or three steps: when steps are short, two nodes' published lists need not overlap at all,
-and intersecting them would call a healthy job's snapshots incomplete. So each node also
+publishes its holdings at most once a period (holdings_pacer.py), on its own clock, and holds
+only its newest two or three steps: when steps are short, two nodes' published lists need not
+overlap at all, and intersecting them would call a healthy job's snapshots incomplete. So each node also
 publishes a **run** `[since, through]` of snapshot steps of the running generation: every step
 in it that reached this node had this node's part replicated (its own ranks' shards acknowledged
 by its buddy; on the node that writes the manifest, the manifest by every live member). A run

@@ -9,8 +9,9 @@ the agent, then
 - answers what the node holds (`holdings`, asked by the leader before it writes a generation,
   which plans a restore from the newest step the live members can assemble), and publishes it
   (`snapshots/<node>`, under the agent's lease, so it vanishes with the node) at most once a
-  `publish_s`, for metrics and `ultractl`: a put per change, several a step on every node,
-  each a watch event to every agent, was a large part of what snapshots cost the agents;
+  `publish_period()` (N nodes: once every N snapshot steps, so one put per step for the whole
+  job), for metrics and `ultractl`: a put per change, several a step on every node, each a
+  watch event to every agent, was a large part of what snapshots cost the agents;
 - keeps the newest `keep` steps it holds a manifest for (and anything newer) and frees the rest;
 - serves byte ranges of what it holds, to its own workers and to peers.
 
@@ -53,6 +54,7 @@ from daemon.control.records import HeldStep, SnapshotHoldings
 from daemon.control.snapshot_steps import newest_assemblable, peers_holding
 from daemon.control.view import ClusterView
 from daemon.node import copy_admission
+from daemon.node.holdings_pacer import HoldingsPacer
 from daemon.node.snapshot_files import (
     Incoming,
     IncomingFile,
@@ -79,7 +81,7 @@ class SnapshotKeeper:
                  peer_key: Callable[[], PeerKey | None] = lambda: None) -> None:
         self.root, self.node, self.address = Path(root), node, address
         self.base = self.root if base is None else Path(base)  # see private_dirs
-        self.on_held, self.publish_s = on_held, publish_s
+        self.on_held, self.pacer = on_held, HoldingsPacer(publish_s)
         self.view, self.etcd, self.keys = view, etcd, keys
         self.lease, self.keep, self.poll_s, self.peer_key = lease, keep, poll_s, peer_key
         self.wake = asyncio.Event()
@@ -88,10 +90,6 @@ class SnapshotKeeper:
         self._received: set[tuple[int, str]] = set()
         self._received_pending = False  # copies came in since the last pass
         self._passed_at = 0.0  # monotonic time of the last pass
-        self._published: tuple[int, SnapshotHoldings] | None = None  # (lease, holdings)
-        self._published_at = 0.0  # monotonic time of the last publication
-        self._published_for: tuple[object, ...] = ()  # (lease, job, generation) it was for
-        self._unpublished = False  # a change came within the period: look again after it
         self._spec_revision = 0  # the job submission the snapshots here belong to
         self._parsed = ParsedFiles()
         self._last_signature: tuple[object, ...] = ()
@@ -132,6 +130,7 @@ class SnapshotKeeper:
                     await self.wake.wait()
             self.wake.clear()
             listing = self._listing()
+            self._note_newest(listing, time.monotonic())
             signature = self._signature(listing)
             changed = self._pass_due(signature, time.monotonic())
             if changed:
@@ -141,8 +140,7 @@ class SnapshotKeeper:
                 if self._prune(listing):
                     listing = self._listing()
                 self._last_signature = self._signature(listing)
-            if changed or (self._unpublished
-                            and self._published_at + self.publish_s <= time.monotonic()):
+            if changed or self.pacer.due_again(len(self.view.nodes), time.monotonic()):
                 try:
                     await self._publish()
                 except ETCD_ERRORS as exc:
@@ -159,13 +157,20 @@ class SnapshotKeeper:
                 self.on_held(self.bytes_held, newest_assemblable(live)[0],
                              self.view.progress.step)
 
+    def publish_period(self) -> float:
+        """How long a routine change of the holdings waits (daemon/node/holdings_pacer.py)."""
+        return self.pacer.period(len(self.view.nodes))
+
+    def _note_newest(self, listing: Listing, now: float) -> None:
+        self.pacer.note_newest(max(listing, default=-1), now)
+
     def _pass_due(self, signature: tuple[object, ...], now: float) -> bool:
         """Whether this poll makes a pass (and note it made one): this node's workers finished a
         shard, or rank 0 a manifest; a step was freed; the cluster changed (a new generation, a
         node came or went); a send must be retried; or copies came in from peers, which wait
         for the next pass, at most a `publish_s` (nothing about them is urgent)."""
         if signature == self._last_signature and not (self._retry or self.replicator.retry) \
-                and not (self._received_pending and now >= self._passed_at + self.publish_s):
+                and not (self._received_pending and now >= self._passed_at + self.pacer.publish_s):
             return False
         self._retry = self.replicator.retry = self._received_pending = False
         self._passed_at = now
@@ -272,7 +277,7 @@ class SnapshotKeeper:
     def holders(self, step: int, file: str) -> list[str]:
         """Addresses of live peers to read `file` of `step` from, most likely first: those
         whose published holdings list it, then the nodes the plan restores from (published
-        holdings lag by up to `publish_s`; the plan's come from asking every member)."""
+        holdings lag by up to `publish_period()`; the plan's come from asking every member)."""
         rank = shard_rank(file)
         rank = record_rank(file) if rank is None else rank
         peers = {n: h for n, h in self.view.snapshots.items()
@@ -374,7 +379,7 @@ class SnapshotKeeper:
 
     async def _publish(self) -> None:
         """Publish the holdings when they changed: at once for a new lease, job or generation,
-        else at most once a `publish_s`."""
+        else at most once a `publish_period()`."""
         lease = self.lease()
         if not lease:
             return
@@ -384,14 +389,11 @@ class SnapshotKeeper:
                    run.span()[1] >= 0)
         now = time.monotonic()
         # Within the period, not even a look (listing what is held costs stats and parses).
-        self._unpublished = context == self._published_for and \
-            now < self._published_at + self.publish_s
-        if self._unpublished:
+        if self.pacer.holds_back(context, len(self.view.nodes), now):
             return
         holdings = self.holdings()
-        if self._published == (lease, holdings):
+        if self.pacer.published == (lease, holdings):
             return
         await self.etcd.put(self.keys.snapshot_holdings(self.node), holdings.to_json(),
                             lease=lease)
-        self._published, self._published_at, self._published_for = (lease, holdings), now, \
-            context
+        self.pacer.sent(lease, holdings, context, now)

@@ -30,7 +30,7 @@ from daemon.control.peer_key import PeerKey
 from daemon.control.records import HeldStep, Progress, SnapshotHoldings
 from daemon.node.copy_admission import sign
 from daemon.node.snapshot_files import Incoming
-from daemon.node.snapshot_keeper import SnapshotKeeper
+from daemon.node.snapshot_keeper import Listing, SnapshotKeeper
 from parallel.planner import MemoryBytes
 from tests.unit.test_snapshot_store import make_step
 
@@ -299,7 +299,7 @@ def test_holdings_are_published_at_most_once_a_period_but_at_once_for_a_new_gene
         await k._publish()
         store(k, header(5, 1, data), data)
         await k._publish()  # changed, but within the period: waits
-        assert k._unpublished
+        assert k.pacer.unpublished
         view.generation = 2
         await k._publish()  # a new generation: at once
         await k._publish()  # unchanged: nothing
@@ -422,7 +422,7 @@ def test_only_what_this_nodes_workers_finish_calls_for_a_pass(root):
     signature as it was; a finished shard's record and a manifest written here change it.
     Received copies make a pass of their own only once a publication period has passed."""
     k = keeper(root, _two_node_view(generation=2), node="a")
-    k.publish_s = 0.5
+    k.pacer.publish_s = 0.5
     assert k._pass_due(k._signature(k._listing()), now=100.0)
     k._last_signature = k._signature(k._listing())
     directory = step_dir(root, 9)
@@ -459,3 +459,22 @@ def test_only_shards_of_the_ranks_this_node_trains_now_are_sent(root):
     make_step(root, 9, [100, 100])
     asyncio.run(k._replicate(k._listing(), ()))
     assert sent == [(9, shard_name(1))]
+
+
+def test_n_nodes_publish_once_every_n_snapshot_steps_so_the_job_writes_one_per_step(root):
+    view = running({"a": (0,), "b": (1,), "c": (2,), "d": (3,)})
+    k = SnapshotKeeper(root, "b", "b:1", view, None, None, None,  # type: ignore[arg-type]
+                       lambda: 7, publish_s=0.5, peer_key=lambda: KEY)
+    assert k.publish_period() == 0.5  # no step seen yet
+    steps: Listing = {}
+    for n, at in enumerate((100.0, 102.0, 104.0, 106.0)):  # a snapshot step every 2 s
+        steps[n + 1] = ("", frozenset())
+        k._note_newest(steps, at)
+    assert k.publish_period() == pytest.approx(4 * 2.0)  # 4 nodes: each once every 4 steps
+    del view.nodes["d"]
+    assert k.publish_period() == pytest.approx(3 * 2.0)
+    k._note_newest({1: ("", frozenset())}, 107.0)  # a restore went back: no gap from it
+    k._note_newest({1: ("", frozenset()), 2: ("", frozenset())}, 107.1)
+    assert k.publish_period() == pytest.approx(3 * (0.8 * 2.0 + 0.2 * 0.1))
+    k.pacer.publish_s = 60.0
+    assert k.publish_period() == 60.0  # never more often than publish_s
