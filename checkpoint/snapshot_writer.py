@@ -179,7 +179,6 @@ class SnapshotWriter(StorageWriter):
         # later snapshot of the same generation rewrites in place (`rewrite_snapshot`).
         self.template: Template | None = None
         self.coordinator: CoordinatorTemplate | None = None
-        self.resolved: fastpath.ResolvedTemplate | None = None  # set by rewrite_snapshot
 
     def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
         if checkpoint_id is not None:
@@ -349,29 +348,13 @@ def save_snapshot(
     return writer
 
 
-def rewrite_snapshot(
-    state: TrainState,
-    root: Path,
-    template: Template,
-    coordinator: CoordinatorTemplate | None,
-    *,
-    layout: dict[str, Any],
-    resolved: fastpath.ResolvedTemplate | None = None,
-    staging: HostStaging | None = None,
-) -> SnapshotWriter:
-    """Snapshot `state` with the layout a full save of the same generation fixed: `stage_rewrite`
-    then its write, in the caller's thread (trainer.snapshots runs the write on a thread of its
-    own). Returns a writer with the template, the fast path and the timings."""
-    staged = stage_rewrite(state, root, template, coordinator, layout=layout, resolved=resolved,
-                           staging=staging)
+def rewrite_snapshot(*args: Any, **kwargs: Any) -> StagedShard:
+    """`stage_rewrite` (same arguments) and then its write, in the caller's thread
+    (trainer.snapshots runs the write on a thread of its own). Returns the written shard: its
+    fast path (`resolved`) and timings."""
+    staged = stage_rewrite(*args, **kwargs)
     staged.write()
-    writer = SnapshotWriter(root, step=staged.step,
-                            consumed_samples=state.progress.consumed_samples, layout=layout)
-    writer.rank, writer.template, writer.coordinator = template.rank, template, coordinator
-    writer.resolved = staged.resolved
-    writer.copy_seconds = staged.stage_seconds + staged.write_seconds
-    writer.checksum_seconds = staged.checksum_seconds
-    return writer
+    return staged
 
 
 def staging_for(state: TrainState, template: Template) -> HostStaging:

@@ -6,9 +6,7 @@ crashed run left. Agent (keeper), worker (writer) and a peer's copy (keeper.stor
 from __future__ import annotations
 
 import os
-import shutil
-import tempfile
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -37,13 +35,6 @@ NOBODY = 65534  # nobody:nogroup
 SECRET = b"root only: nothing may write here\n"
 as_root = pytest.mark.skipif(os.geteuid() != 0,
                              reason="making a directory another user owns needs root")
-
-
-@pytest.fixture
-def shm() -> Iterator[Path]:
-    path = Path(tempfile.mkdtemp(dir="/dev/shm", prefix="ultrascale-test-"))
-    yield path
-    shutil.rmtree(path, ignore_errors=True)
 
 
 @pytest.fixture

@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import json
 import pickle
-import shutil
-import tempfile
 from pathlib import Path
 
 import pytest
@@ -19,14 +17,6 @@ from checkpoint.snapshot_writer import rewrite_snapshot, save_snapshot
 from checkpoint.state import Progress, TrainState
 
 pytestmark = pytest.mark.unit
-
-
-@pytest.fixture
-def shm():
-    root = Path(tempfile.mkdtemp(dir="/dev/shm" if Path("/dev/shm").is_dir() else None,
-                                 prefix="ultrascale-test-"))
-    yield root
-    shutil.rmtree(root, ignore_errors=True)
 
 
 def _train(state: TrainState) -> None:

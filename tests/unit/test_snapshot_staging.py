@@ -6,8 +6,6 @@ mode); the last test needs a GPU (run it where one is lent)."""
 
 from __future__ import annotations
 
-import shutil
-import tempfile
 import threading
 from pathlib import Path
 
@@ -22,14 +20,6 @@ from checkpoint.state import Progress, TrainState
 from trainer.snapshots import Snapshots
 
 pytestmark = pytest.mark.unit
-
-
-@pytest.fixture
-def shm():
-    root = Path(tempfile.mkdtemp(dir="/dev/shm" if Path("/dev/shm").is_dir() else None,
-                                 prefix="ultrascale-test-"))
-    yield root
-    shutil.rmtree(root, ignore_errors=True)
 
 
 def _state(device: str = "cpu") -> TrainState:
