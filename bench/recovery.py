@@ -254,7 +254,7 @@ def run_ultrad(work: Path, job: Path, kill_step: int, run: int, arm: str = "ultr
     kill_leader = target == "leader"
     res = Result(arm, run)
     os.environ.update({"OMP_NUM_THREADS": "1"})
-    cluster = LocalCluster(work / "state", 3, 1, ttl=TTL, allowed_paths=(work,))
+    cluster = LocalCluster(work / "state", 3, 1, ttl=TTL, allowed_paths=(work, job.parent))
     output = work / "output"
     steps_path = output / "steps.jsonl"
     workers: set[int] = set()
