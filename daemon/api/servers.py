@@ -24,7 +24,7 @@ from grpc_reflection.v1alpha import reflection
 from daemon.api import advertise
 from daemon.api.admin_service import AdminService
 from daemon.api.auth import BearerTokenInterceptor, load_or_create_token
-from daemon.api.grpc_limits import MESSAGE_OPTIONS
+from daemon.api.grpc_limits import MESSAGE_OPTIONS, SERVER_OPTIONS
 from daemon.api.metrics import Metrics, serve
 from daemon.api.probes import agent_probes, start_probe_server
 from daemon.api.replication_streams import ReplicationStreams
@@ -79,7 +79,7 @@ class AgentIO:
         self._peer_secret = host.peer_keys.secret
         server = grpc.aio.server(interceptors=[BearerTokenInterceptor(self.token,
                                                                       self._peer_secret)],
-                                 options=MESSAGE_OPTIONS)
+                                 options=SERVER_OPTIONS)
         pb_grpc.add_AgentServicer_to_server(AdminService(host), server)
         if host.snapshots is not None:
             pb_grpc.add_SnapshotPeerServicer_to_server(SnapshotPeerService(host.snapshots),

@@ -14,7 +14,7 @@ from types import SimpleNamespace
 import grpc
 
 from daemon.api.auth import BearerTokenInterceptor
-from daemon.api.grpc_limits import MESSAGE_OPTIONS
+from daemon.api.grpc_limits import SERVER_OPTIONS
 from daemon.api.snapshot_service import SnapshotPeerService
 from daemon.control.peer_key import PeerKey
 from daemon.control.records import Progress
@@ -44,7 +44,7 @@ async def serve(root: Path, port_file: Path, state_bytes: int) -> None:
                             None, lambda: 0, peer_key=lambda: PeerKey(REV, SECRET))
     keeper.restored(GEN, 0)
     server = grpc.aio.server(interceptors=[BearerTokenInterceptor("admin", lambda: SECRET)],
-                             options=MESSAGE_OPTIONS)
+                             options=SERVER_OPTIONS)  # the agent's own server's
     pb_grpc.add_SnapshotPeerServicer_to_server(SnapshotPeerService(keeper), server)
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
