@@ -20,5 +20,5 @@ part "snapshot staging on the GPU (unit tests)" 110 110 python3 -m pytest -q -p 
 part "nccl/CUDA trainer against the CPU reference" 140 140 python3 -m bench.gpu_parity
 part "snapshot blocking against a device-to-host copy" 100 100 python3 -m bench.snapshot \
   --device cuda --runs 3 --size-mb 256 1024
-part "MFU 350m bf16" 100 100 python3 -m bench.mfu --size 350m --steps 15
+part "MFU 350m bf16, steps 4-5 traced" 100 100 python3 -m bench.mfu --size 350m --steps 15 --profile
 part "MFU 1b bf16" 90 90 python3 -m bench.mfu --size 1b --steps 10
