@@ -254,6 +254,28 @@ def read_held(root: Path, step: int, file: str, offset: int, length: int
         os.close(fd)
 
 
+_IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024
+
+
+def pwritev_all(fd: int, buffers: list[memoryview]) -> None:
+    """Write `buffers` back to back from offset 0, IOV_MAX at a time, resuming after a short
+    write."""
+    pending = [b for b in buffers if len(b)]
+    first, offset = 0, 0
+    while first < len(pending):
+        written = os.pwritev(fd, pending[first:first + _IOV_MAX], offset)
+        if written <= 0:
+            raise OSError(f"pwritev wrote nothing at offset {offset}")
+        offset += written
+        while written:
+            if written >= len(pending[first]):
+                written -= len(pending[first])
+                first += 1
+            else:
+                pending[first] = pending[first][written:]
+                written = 0
+
+
 def pread_all(fd: int, length: int, offset: int) -> bytes | bytearray:
     """`length` bytes of `fd` from `offset` (fewer only at its end). One pread(2) returns at
     most 2 GiB - 4 KiB on Linux: a bigger shard or item is read into one buffer, in pieces."""

@@ -4,16 +4,16 @@ A rewrite (`snapshot_writer.rewrite_snapshot`) puts the same items at the same o
 shard every step. Only one part of it has to happen before the next step may change the state:
 copying the state's tensors somewhere the step cannot overwrite. So a rewrite is split:
 
-- `stage` (on the step): every tensor item is copied into its place in a `HostStaging` buffer
-  (host memory allocated once per generation, its pages touched up front; pinned when the
-  state is on a GPU), and every byte item's current value is captured. On CPU that is one
-  `torch._foreach_copy_` of the items' bytes. On a GPU the copies are queued on a side stream
-  after the step's own work, the host does not wait for them, and `fence()` makes the training
-  stream wait for them (not the host) before the next optimizer update, the first thing that
-  overwrites what was copied;
+- `stage_rewrite` (on the step, in checkpoint/snapshot_writer.py): every tensor item is
+  copied into its place in a `HostStaging` buffer (host memory allocated once per generation,
+  its pages touched up front; pinned when the state is on a GPU), and every byte item's
+  current value is captured. On CPU that is one `torch._foreach_copy_` of the items' bytes.
+  On a GPU the copies are queued on a side stream after the step's own work, the host does
+  not wait for them, and `fence()` makes the training stream wait for them (not the host)
+  before the next optimizer update, the first thing that overwrites what was copied;
 - `StagedShard.write` (off the step, `trainer.snapshots` runs it on a thread): waits for the
   copy, pickles the byte items into their slots in the buffer, writes the buffer as the shard
-  file with one `pwrite`, checksums it, writes the rank's record and (coordinator) `.metadata`
+  file with `pwritev`, checksums it, writes the rank's record and (coordinator) `.metadata`
   and the manifest. The next stage of the same buffer waits for it.
 """
 
@@ -35,6 +35,7 @@ from checkpoint.snapshot_format import (
     chunk_checksums,
     create_private_file,
     private_dirs,
+    pwritev_all,
     record_bytes,
     record_name,
     shard_name,
@@ -143,7 +144,7 @@ class StagedShard:
         name = shard_name(self.rank)
         fd = create_private_file(self.directory / name)  # O_EXCL, as a full save's shard
         try:
-            _pwrite_all(fd, memory)
+            pwritev_all(fd, [memory])
         finally:
             os.close(fd)
         written = time.perf_counter()
@@ -155,11 +156,3 @@ class StagedShard:
         if self.finish_coordinator is not None:
             self.finish_coordinator()
 
-
-def _pwrite_all(fd: int, memory: memoryview) -> None:
-    offset = 0
-    while offset < len(memory):
-        written = os.pwrite(fd, memory[offset:], offset)
-        if written <= 0:
-            raise OSError(f"pwrite wrote nothing at offset {offset}")
-        offset += written

@@ -47,6 +47,7 @@ from checkpoint.snapshot_format import (
     crc32c_update,
     create_private_file,
     private_dirs,
+    pwritev_all,
     record_bytes,
     record_name,
     shard_name,
@@ -117,28 +118,6 @@ def _bytes_of(p: _Payload) -> memoryview:
     """A tensor item's bytes."""
     assert isinstance(p.data, torch.Tensor)
     return tensor_bytes(p.data) if p.length else memoryview(b"")
-
-
-_IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024
-
-
-def _pwritev_all(fd: int, buffers: list[memoryview]) -> None:
-    """Write `buffers` back to back from offset 0, IOV_MAX at a time, resuming after a short
-    write."""
-    pending = [b for b in buffers if len(b)]
-    first, offset = 0, 0
-    while first < len(pending):
-        written = os.pwritev(fd, pending[first:first + _IOV_MAX], offset)
-        if written <= 0:
-            raise OSError(f"pwritev wrote nothing at offset {offset}")
-        offset += written
-        while written:
-            if written >= len(pending[first]):
-                written -= len(pending[first])
-                first += 1
-            else:
-                pending[first] = pending[first][written:]
-                written = 0
 
 
 def chunk_checksums_of(buffers: list[memoryview], chunk_bytes: int = CHUNK_BYTES
@@ -276,7 +255,7 @@ class SnapshotWriter(StorageWriter):
         # One pwritev(2) for the whole shard, straight from the tensors' memory: a kernel
         # copy into tmpfs pages, no system call per item. (Copying into an mmap of the file
         # was measured ~2x slower: it faults every page in.)
-        _pwritev_all(fd, buffers)
+        pwritev_all(fd, buffers)
         started = time.perf_counter()
         chunks = chunk_checksums_of(buffers)
         self.checksum_seconds = time.perf_counter() - started

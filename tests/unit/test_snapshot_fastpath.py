@@ -92,7 +92,7 @@ def test_chunk_checksums_of_pieces_match_the_whole_file():
 def test_a_shard_is_written_whole_across_short_writes_and_iov_max(shm: Path, monkeypatch):
     import os
 
-    from checkpoint import snapshot_writer
+    from checkpoint import snapshot_format
 
     real = os.pwritev
     calls: list[int] = []
@@ -102,13 +102,13 @@ def test_a_shard_is_written_whole_across_short_writes_and_iov_max(shm: Path, mon
         # A short write that ends inside a buffer, as a full tmpfs (or a signal) may cause.
         return real(fd, [bytes(b"".join(bytes(b) for b in buffers)[:100])], offset)
 
-    monkeypatch.setattr(snapshot_writer, "_IOV_MAX", 16)
-    monkeypatch.setattr(snapshot_writer.os, "pwritev", at_most_100_bytes)
+    monkeypatch.setattr(snapshot_format, "_IOV_MAX", 16)
+    monkeypatch.setattr(snapshot_format.os, "pwritev", at_most_100_bytes)
     pieces = [bytes([i % 251]) * (i % 13) for i in range(200)]  # empty ones included
     path = shm / "shard"
     fd = os.open(path, os.O_RDWR | os.O_CREAT)
     try:
-        snapshot_writer._pwritev_all(fd, [memoryview(p) for p in pieces])
+        snapshot_format.pwritev_all(fd, [memoryview(p) for p in pieces])
     finally:
         os.close(fd)
     assert path.read_bytes() == b"".join(pieces)
