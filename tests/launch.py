@@ -18,21 +18,24 @@ class RunResult:
     stderr: str
 
 
-def run_trainer(config: Path, nproc: int | None, *args: str, timeout: float = 300) -> RunResult:
-    """nproc=None runs `python -m trainer` directly (a world of one, no torchrun)."""
-    launcher = (
+def run_trainer(config: Path, nproc: int | None, *args: str, timeout: float = 300,
+                launcher: str = "fork") -> RunResult:
+    """nproc=None runs `python -m trainer` directly (a world of one, no launcher).
+
+    `launcher`: "torchrun" (`torchrun --standalone`, as users launch it) or "fork"
+    (tests/forkrun.py: the same rank environment, with one import of torch for all ranks)."""
+    if launcher not in ("fork", "torchrun"):
+        raise ValueError(f"launcher must be fork or torchrun, not {launcher!r}")
+    launcher_args = (
         []
         if nproc is None
-        else [
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            f"--nproc-per-node={nproc}",
-        ]
+        else ["-m", "tests.forkrun", f"--nproc-per-node={nproc}"]
+        if launcher == "fork"
+        else ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
     )
     cmd = [
         sys.executable,
-        *launcher,
+        *launcher_args,
         "-m",
         "trainer",
         "--config",

@@ -25,6 +25,15 @@ from tests.chaos.runner import ChaosError, ChaosRun, wait
 
 CHEAP = ("agent-kill", "worker-kill", "worker-stop", "etcd-restart", "quick-rejoin")
 STALL_LIMIT_S = 90.0  # a fault not recovered from within this is a stuck job
+# Steps the job is given per fault: the recovery and the wait for the full world, and for an
+# etcd restart also the 2 TTLs the harness sleeps while training goes on (about 45 steps of a
+# ~0.1 s chaos step here; 60 leaves room for a faster step).
+STEPS_PER_FAULT = {kind: 12 for kind in CHEAP} | {"etcd-restart": 12 + 60}
+
+
+def step_budget(kinds: list[str]) -> int:
+    """Steps the job needs for these faults in this order, with 30 around them."""
+    return 30 + sum(STEPS_PER_FAULT[k] for k in kinds)
 
 
 def _inject(run: ChaosRun, rng: random.Random, kind: str) -> str | None:
@@ -82,14 +91,14 @@ def random_sequence(chaos, seed: int, faults: int, scenario: str) -> None:
     print(f"\nchaos random sequence: seed {seed}, {faults} faults "
           f"(ULTRA_CHAOS_SEED={seed} to replay it)", flush=True)
     rng = random.Random(seed)
-    run: ChaosRun = chaos(scenario=f"{scenario}(seed={seed})", steps=12 * faults + 30)
+    kinds = [rng.choice(CHEAP) for _ in range(faults)]  # drawn first: they size the job
+    run: ChaosRun = chaos(scenario=f"{scenario}(seed={seed})", steps=step_budget(kinds))
     run.submit()
     run.wait_step(6)
     full_world = run.cluster.nodes * run.cluster.devices_per_node
-    for i in range(faults):
+    for i, kind in enumerate(kinds):
         if run.step() >= run.steps - 6 or run.finished_now():
             raise ChaosError(f"the job ran out of steps after {i} of {faults} faults")
-        kind = rng.choice(CHEAP)
         restart = _inject(run, rng, kind)
         print(f"  fault {i + 1}: {run.faults[-1].name} at step {run.faults[-1].step}",
               flush=True)

@@ -40,6 +40,7 @@ def test_dp_matches_single_process(dp, zero, small_job, tmp_path, reference):
         str(ckpt),
         "--checkpoint-every",
         str(STEPS),
+        launcher="torchrun",  # the entry as users launch it; most other parity tests fork
     )
     assert result.returncode == 0, result.stderr[-3000:]
     assert sorted(result.steps) == list(range(1, STEPS + 1))

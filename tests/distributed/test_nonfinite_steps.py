@@ -1,4 +1,4 @@
-"""Non-finite steps never commit (trainer/nonfinite.py), on real gloo ranks under torchrun.
+"""Non-finite steps never commit (trainer/nonfinite.py), on real gloo ranks (tests/forkrun.py).
 
 A NaN loss (or an infinite gradient) injected on ONE rank at one step must make every rank skip
 that step's update; the run then stays exact (fp32) against the single-process reference that

@@ -1,4 +1,4 @@
-"""`[profile] steps = [2, 3]`: under torchrun with 2 ranks each rank writes a Chrome trace
+"""`[profile] steps = [2, 3]`: with 2 ranks (tests/forkrun.py) each rank writes a Chrome trace
 holding exactly those steps' work; work between the window's steps is not recorded; a window
 a failure interrupts is closed."""
 

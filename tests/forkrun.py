@@ -1,0 +1,98 @@
+"""`python -m tests.forkrun --nproc-per-node N -m trainer ARGS`: torchrun's standalone launch,
+with one import of torch and the trainer for the whole world instead of one per rank.
+
+The parity tests launch the trainer dozens of times with up to 8 ranks; on a 2-core machine
+each rank's import of torch and the trainer (about 3 s of CPU) cost more than its training.
+This launcher imports them once, then forks one process per rank with the environment torchrun
+gives a rank (RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT), so the
+trainer joins its world through the same `env://` path (trainer/run.py). Nothing has run torch
+code or started a thread before the fork. Like torchrun, when a rank fails the others are
+stopped, and the exit code is the first failed rank's.
+
+`tests.launch.run_trainer` uses it unless a test asks for torchrun itself (`launcher="torchrun"`:
+the tests of the torchrun entry keep it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import socket
+import sys
+import time
+import traceback
+
+# Everything a rank imports, imported before the fork (the point of this launcher).
+import trainer.cli  # noqa: F401
+import trainer.run  # noqa: F401
+
+GRACE_S = 10.0  # after a rank fails, how long the others have to fail on their own
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rank(rank: int, nproc: int, port: int, argv: list[str]) -> None:
+    """The child: torchrun's rank environment, then the trainer's entry; never returns."""
+    os.environ.update({
+        "RANK": str(rank), "LOCAL_RANK": str(rank), "GROUP_RANK": "0",
+        "WORLD_SIZE": str(nproc), "LOCAL_WORLD_SIZE": str(nproc),
+        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+    })
+    code = 1
+    try:
+        code = trainer.cli.main(argv)
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+    except BaseException:  # noqa: BLE001 - a rank's failure is its exit code, as under torchrun
+        traceback.print_exc()
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+    os._exit(code)
+
+
+def launch(nproc: int, argv: list[str]) -> int:
+    port = free_port()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    pids = {}
+    for rank in range(nproc):
+        pid = os.fork()
+        if pid == 0:
+            _rank(rank, nproc, port, argv)
+        pids[pid] = rank
+    first_failure, deadline = 0, None
+    while pids:
+        if deadline is not None and time.monotonic() > deadline:
+            for pid in pids:
+                os.kill(pid, signal.SIGKILL)
+            deadline = float("inf")
+        pid, status = os.waitpid(-1, os.WNOHANG if deadline is not None else 0)
+        if pid == 0:
+            time.sleep(0.05)
+            continue
+        pids.pop(pid)
+        code = os.waitstatus_to_exitcode(status)
+        if code != 0 and first_failure == 0:
+            first_failure = code if code > 0 else 1
+            deadline = time.monotonic() + GRACE_S
+    return first_failure
+
+
+def main(argv: list[str]) -> int:
+    if "-m" not in argv or argv[argv.index("-m") + 1:][:1] != ["trainer"]:
+        raise SystemExit("usage: python -m tests.forkrun --nproc-per-node N -m trainer ARGS")
+    at = argv.index("-m")
+    ap = argparse.ArgumentParser(prog="python -m tests.forkrun")
+    ap.add_argument("--nproc-per-node", type=int, required=True)
+    args = ap.parse_args(argv[:at])
+    return launch(args.nproc_per_node, argv[at + 2:])
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
