@@ -37,6 +37,7 @@ from tests.distributed.test_checkpoint_integrity import (
     _step,
     _train_state,
 )
+from tests.forkserver import forkserver
 
 pytestmark = pytest.mark.distributed
 
@@ -101,7 +102,7 @@ def _save_watched(rank: int, port: int, root: str, out: str) -> None:
 def test_every_listed_file_and_its_directory_are_on_disk_before_the_manifest(tmp_path):
     root = tmp_path / "ckpt"
     mp.start_processes(_save_watched, args=(free_port(), str(root), str(tmp_path)),
-                       nprocs=WORLD, start_method="spawn")
+                       nprocs=WORLD, start_method=forkserver())
     events = sorted((e for r in range(WORLD)
                      for e in json.loads((tmp_path / f"events_{r}.json").read_text())),
                     key=lambda e: e["t"])
@@ -211,7 +212,7 @@ def _save_failing(rank: int, port: int, storage: str, keep: int, base: str) -> N
 @pytest.mark.parametrize("storage", ["node", "shared"])
 def test_failed_commits_never_cost_the_last_committed_checkpoint(storage, keep, tmp_path):
     mp.start_processes(_save_failing, args=(free_port(), storage, keep, str(tmp_path)),
-                       nprocs=WORLD, start_method="spawn")
+                       nprocs=WORLD, start_method=forkserver())
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(WORLD)]
 
     assert [e.split(": ")[0] for e in ranks[0]["errors"]] == [

@@ -37,6 +37,7 @@ from torch.distributed.fsdp import fully_shard
 from bench.ranks import free_port, init_gloo_rank
 from checkpoint.checksum import CRC32C, Scheme
 from checkpoint.manifest import MANIFEST_NAME, read_manifest, verify, write_manifest
+from tests.forkserver import forkserver
 
 pytestmark = pytest.mark.distributed
 
@@ -149,7 +150,7 @@ def _rank(rank: int, world: int, port: int, mode: str, root: str, out: str) -> N
 def _run(world: int, mode: str, root: Path, out: Path) -> list[dict[str, Any]]:
     mp.start_processes(
         _rank, args=(world, free_port(), mode, str(root), str(out)), nprocs=world,
-        start_method="spawn",
+        start_method=forkserver(),
     )
     ranks = [json.loads((out / f"{mode}_rank{r}.json").read_text()) for r in range(world)]
     for r in ranks:

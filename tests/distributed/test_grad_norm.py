@@ -23,6 +23,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_modul
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from parallel.grad_norm import scale_, squared_norm
+from tests.forkserver import forkserver
 
 pytestmark = pytest.mark.distributed
 
@@ -62,7 +63,7 @@ def _worker(rank: int, store_path: str, out: str) -> None:
 def test_squared_norm_and_scale_on_a_2d_mesh(tmp_path: Path):
     out = tmp_path / "out"
     mp.start_processes(_worker, args=(str(tmp_path / "store"), str(out)), nprocs=4,
-                       start_method="spawn")
+                       start_method=forkserver())
     for rank in range(4):
         r = torch.load(f"{out}.{rank}", weights_only=False)
         assert r["got"] == pytest.approx(r["expected"], rel=1e-6), rank

@@ -29,6 +29,7 @@ from tests.distributed.test_checkpoint_integrity import (
     _step,
     _train_state,
 )
+from tests.forkserver import forkserver
 
 pytestmark = pytest.mark.distributed
 
@@ -68,7 +69,7 @@ def _rank(rank: int, port: int, mode: str, base: str) -> None:
 
 def _run(mode: str, base: Path) -> list[dict[str, Any]]:
     mp.start_processes(_rank, args=(free_port(), mode, str(base)), nprocs=WORLD,
-                       start_method="spawn")
+                       start_method=forkserver())
     return [json.loads((base / f"{mode}_rank{r}.json").read_text()) for r in range(WORLD)]
 
 

@@ -22,6 +22,7 @@ import torch.multiprocessing as mp
 
 from parallel.job import loads
 from parallel.layout import resolve
+from tests.forkserver import forkserver
 
 pytestmark = pytest.mark.distributed
 
@@ -88,7 +89,7 @@ def _rank(rank: int, port: int, out: str) -> None:
 
 def test_sub_groups_and_the_checkpoint_group_time_out(tmp_path: Path):
     started = time.monotonic()
-    mp.start_processes(_rank, args=(_free_port(), str(tmp_path)), nprocs=4, start_method="spawn")
+    mp.start_processes(_rank, args=(_free_port(), str(tmp_path)), nprocs=4, start_method=forkserver())
     results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(4)]
     for r in results:
         assert set(r["configured"].values()) == {SUB_TIMEOUT_S}, r["configured"]
@@ -127,7 +128,7 @@ def _data_group_rank(rank: int, port: int, out: str) -> None:
 def test_flattened_data_parallel_group_gets_the_timeout(tmp_path: Path):
     """dp2 x cp2: gradients reduce over a flattened dp x cp group, bounded like the others."""
     mp.start_processes(
-        _data_group_rank, args=(_free_port(), str(tmp_path)), nprocs=4, start_method="spawn"
+        _data_group_rank, args=(_free_port(), str(tmp_path)), nprocs=4, start_method=forkserver()
     )
     for rank in range(4):
         result = json.loads((tmp_path / f"rank{rank}.json").read_text())

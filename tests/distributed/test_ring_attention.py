@@ -17,6 +17,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from tests.forkserver import forkserver
+
 pytestmark = pytest.mark.distributed
 
 # (query heads, kv heads, causal)
@@ -78,7 +80,7 @@ def _rank(rank: int, cp: int, port: int, out: str) -> None:
 @pytest.mark.parametrize("cp", [2, 4])
 def test_ring_attention_matches_math_reference(cp, tmp_path):
     mp.start_processes(
-        _rank, args=(cp, _free_port(), str(tmp_path)), nprocs=cp, start_method="spawn"
+        _rank, args=(cp, _free_port(), str(tmp_path)), nprocs=cp, start_method=forkserver()
     )
     for rank in range(cp):
         result = json.loads((tmp_path / f"rank{rank}.json").read_text())

@@ -21,6 +21,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 
 from checkpoint.optimizer_state import zeros_like
+from tests.forkserver import forkserver
 from trainer.shard_local_adamw import ShardLocalAdamW
 
 pytestmark = pytest.mark.distributed
@@ -97,7 +98,7 @@ def _worker(rank: int, store_path: str, out: str) -> None:
 def test_matches_torch_adamw_bit_for_bit(tmp_path: Path):
     out = tmp_path / "out"
     mp.start_processes(_worker, args=(str(tmp_path / "store"), str(out)), nprocs=2,
-                       start_method="spawn")
+                       start_method=forkserver())
     for rank in range(2):
         saved = torch.load(f"{out}.{rank}", weights_only=False)
         results = saved["adamw"]

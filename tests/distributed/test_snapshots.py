@@ -50,6 +50,7 @@ from parallel.job import load
 from parallel.layout import resolve
 from parallel.mesh import build_mesh
 from tests.conftest import REPO, small_job_text
+from tests.forkserver import forkserver
 from trainer.loop import Trainer
 from trainer.teardown import leave_world
 
@@ -151,7 +152,7 @@ def snapshot(token_file: Path, tmp_path_factory: pytest.TempPathFactory):
             _save_then_restore,
             args=(str(job), str(root), [_free_port() for _ in range(4)], str(out)),
             nprocs=4,
-            start_method="spawn",
+            start_method=forkserver(),
         )
         yield job, root, out
     finally:
@@ -364,7 +365,7 @@ def test_damaged_snapshots_fail_every_rank_and_load_nothing(snapshot, tmp_path):
     try:
         mp.start_processes(
             _load_damaged, args=(str(job), roots, _free_port(), str(tmp_path)), nprocs=2,
-            start_method="spawn",
+            start_method=forkserver(),
         )
         ran = [case for case in DAMAGES if (Path(roots[case]) / MARKER).exists()]
     finally:

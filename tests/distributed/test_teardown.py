@@ -23,6 +23,7 @@ from parallel.job import JobConfig, load
 from parallel.layout import resolve
 from parallel.mesh import build_mesh
 from tests.conftest import small_job_text
+from tests.forkserver import forkserver
 from trainer.loop import Trainer
 from trainer.teardown import Teardown, freeze_import_heap, leave_world
 
@@ -80,7 +81,7 @@ def test_three_generations_leave_nothing_behind(token_file: Path, tmp_path: Path
         _worker,
         args=(str(job), [_free_port() for _ in range(3)], str(out)),
         nprocs=2,
-        start_method="spawn",
+        start_method=forkserver(),
     )
     result = torch.load(out, weights_only=False)
     baseline, first, *_, last = result["counts"]
@@ -126,7 +127,7 @@ def test_a_world_left_is_held_until_the_next_one_has_stepped_then_freed(token_fi
     job.write_text(small_job_text(token_file))
     out = tmp_path / "out.pt"
     mp.start_processes(_survivor, args=(str(job), [_free_port() for _ in range(3)], str(out)),
-                       nprocs=2, start_method="spawn")
+                       nprocs=2, start_method=forkserver())
     result = torch.load(out, weights_only=False)
     # Each world's groups outlive its teardown (nothing to free on the critical path) ...
     assert all(n > 0 and alive == n for n, alive in result["held"]), result["held"]
@@ -196,7 +197,7 @@ def test_a_step_that_fails_mid_way_leaves_no_group_alive(token_file: Path, tmp_p
     job.write_text(small_job_text(token_file))
     out = tmp_path / "out"
     mp.start_processes(_dies_mid_step, args=(str(job), _free_port(), delay, str(out)), nprocs=3,
-                       start_method="spawn")
+                       start_method=forkserver())
     for rank in (0, 1):
         result = torch.load(f"{out}.{rank}")
         assert result["error"], f"rank {rank} did not see rank 2 die"
@@ -268,7 +269,7 @@ def test_a_failed_rank_severs_its_connections_so_peers_blocked_on_it_fail_at_onc
     still holds every group, instead of at its process-group timeout."""
     out = tmp_path / "out"
     context = mp.start_processes(_blocked_on_a_survivor, args=(_free_port(), str(out)),
-                                 nprocs=3, start_method="spawn", join=False)
+                                 nprocs=3, start_method=forkserver(), join=False)
     try:
         while not context.join():  # returns as each process ends (rank 1 within 30 s)
             pass
