@@ -28,8 +28,11 @@ install: $(PY)
 $(VENV)/.installed: pyproject.toml | $(PY)
 	$(MAKE) install
 
+# Two pytest processes, whole files each: the suite waits on etcd leases, process starts and
+# timeouts as much as it computes (tests/README.md).
+TEST_WORKERS ?= 2
 test: $(VENV)/.installed
-	$(PY) -m pytest -q --durations=30 tests
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=30 tests
 
 test-unit: $(VENV)/.installed
 	$(PY) -m pytest -q -m unit tests

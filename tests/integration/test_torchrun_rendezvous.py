@@ -66,7 +66,13 @@ def rendezvous_events(endpoint: str, *etcd_flags: str) -> list[dict]:
 
 
 def completed_rounds(events: list[dict]) -> dict[int, str]:
-    return {e["generation"]: e["message"] for e in events if " complete: " in e["message"]}
+    """Each round's first "complete" event: the nodes it completed with. Later writes to the same
+    round (a dead node pruned, a node waiting for the next round) are events of it too."""
+    rounds: dict[int, str] = {}
+    for e in events:
+        if " complete: " in e["message"]:
+            rounds.setdefault(e["generation"], e["message"])
+    return rounds
 
 
 def test_a_node_dies_and_rejoins_and_the_job_finishes(job: list[TorchrunJob], tmp_path: Path,
