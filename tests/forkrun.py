@@ -26,6 +26,7 @@ import traceback
 # Everything a rank imports, imported before the fork (the point of this launcher).
 import trainer.cli  # noqa: F401
 import trainer.run  # noqa: F401
+from trainer.agent_death import die_with_agent
 
 GRACE_S = 10.0  # after a rank fails, how long the others have to fail on their own
 
@@ -36,8 +37,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _rank(rank: int, nproc: int, port: int, argv: list[str]) -> None:
+def _rank(rank: int, nproc: int, port: int, argv: list[str], launcher: int) -> None:
     """The child: torchrun's rank environment, then the trainer's entry; never returns."""
+    die_with_agent()  # with the launcher, when a test's timeout kills it
+    if os.getppid() != launcher:
+        os._exit(1)
     os.environ.update({
         "RANK": str(rank), "LOCAL_RANK": str(rank), "GROUP_RANK": "0",
         "WORLD_SIZE": str(nproc), "LOCAL_WORLD_SIZE": str(nproc),
@@ -60,11 +64,11 @@ def launch(nproc: int, argv: list[str]) -> int:
     port = free_port()
     sys.stdout.flush()
     sys.stderr.flush()
-    pids = {}
+    pids, launcher = {}, os.getpid()
     for rank in range(nproc):
         pid = os.fork()
         if pid == 0:
-            _rank(rank, nproc, port, argv)
+            _rank(rank, nproc, port, argv, launcher)
         pids[pid] = rank
     first_failure, deadline = 0, None
     while pids:
