@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import os
 import signal
-import socket
 import sys
 import time
 import traceback
@@ -26,15 +25,10 @@ import traceback
 # Everything a rank imports, imported before the fork (the point of this launcher).
 import trainer.cli  # noqa: F401
 import trainer.run  # noqa: F401
+from bench.ranks import free_port
 from trainer.agent_death import die_with_agent
 
 GRACE_S = 10.0  # after a rank fails, how long the others have to fail on their own
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _rank(rank: int, nproc: int, port: int, argv: list[str], launcher: int) -> None:
