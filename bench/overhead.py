@@ -40,9 +40,14 @@ their growth per committed step over the middle of the run, like the CPU columns
 everything else (the agent, etcd, the standby worker, torchrun's own agent) pinned to CPU 1;
 the bare loop's rank is pinned to CPU 0 the same way. The workers then never lose their core
 to the control path, so the wall ratio measures what the step path itself adds, not CPU theft.
-That table also shows a snapshot's blocking time (the worker's own figure, from the agent's
-`ultra_checkpoint_blocking_seconds{tier="memory"}`) against a plain copy of the same bytes on
-CPU 0. The unpinned table of `--nodes` ranks follows, for comparison.
+The worker's snapshot-writing thread (`snapshot-write`: the shard's write, checksums and
+records, which the design keeps off the step) is pinned to CPU 1 too, as on a GPU node, where
+it runs on a core the step does not use. That table also shows a snapshot's blocking time (the
+worker's own figure, from the agent's `ultra_checkpoint_blocking_seconds{tier="memory"}`, over
+the snapshots after the first 5 steps: the rewrites, not the generation's first snapshot, a
+full collective save) against a plain copy of the same bytes on CPU 0, from memory (after
+writing 256 MiB, more than the caches hold) and from the caches. The unpinned table of
+`--nodes` ranks follows, for comparison.
 """
 
 from __future__ import annotations
@@ -61,11 +66,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from bench.recovery import GLOBAL_BATCH, _descendants, _env, _wait, write_job
+from trainer.thread_names import SNAPSHOT_WRITER
 
 ARMS = ("bare", "ultrad", "ultrad+snap")
 WARMUP = 5
 COUNTER = Path(__file__).resolve().parent / "collectives"
 TRAINING_CPU, OTHER_CPUS = {0}, {1}
+EVICT_BYTES = 256 << 20  # more than any CPU cache here (32 MiB L3)
 
 
 def counting_env(out: Path) -> dict[str, str]:
@@ -99,7 +106,10 @@ def _is_standby(pid: int) -> bool:
 
 def pin_training(pids: list[int]) -> None:
     """Move every thread of the training ranks among `pids` to TRAINING_CPU (threads they start
-    later inherit it; called again at each sample for threads started from elsewhere)."""
+    later inherit it; called again at each sample for threads started from elsewhere), except
+    the thread that writes snapshots off the step (trainer.snapshots names it): that is work
+    the design keeps off the step, and it goes to OTHER_CPUS with the rest of the control
+    path, as on a GPU node, where it runs on a core the step does not use."""
     for pid in pids:
         argv = _cmdline(pid)
         if "-m" not in argv or "torch.distributed.run" in argv or _is_standby(pid):
@@ -109,11 +119,15 @@ def pin_training(pids: list[int]) -> None:
         with contextlib.suppress(OSError):
             for task in Path(f"/proc/{pid}/task").iterdir():
                 with contextlib.suppress(OSError):
-                    os.sched_setaffinity(int(task.name), TRAINING_CPU)
+                    off_step = (task / "comm").read_text().strip() == SNAPSHOT_WRITER
+                    os.sched_setaffinity(int(task.name), OTHER_CPUS if off_step else TRAINING_CPU)
 
 
-def copy_seconds(nbytes: int, runs: int = 20) -> float:
-    """Median time of a plain copy of `nbytes` into a buffer allocated once, on TRAINING_CPU."""
+def copy_seconds(nbytes: int, runs: int = 20, cold: bool = False) -> float:
+    """Median time of a plain copy of `nbytes` into a buffer allocated once, on TRAINING_CPU.
+    `cold`: each copy after writing a buffer larger than the CPU caches, so its source and
+    destination come from memory (a snapshot's copy follows a step that used the caches for
+    activations and gradients); else the same bytes copied again and again, from the caches."""
     import torch
 
     before = os.sched_getaffinity(0)
@@ -121,8 +135,11 @@ def copy_seconds(nbytes: int, runs: int = 20) -> float:
     try:
         src = torch.ones(nbytes, dtype=torch.uint8)
         dst = torch.empty_like(src)
+        evict = torch.zeros(EVICT_BYTES, dtype=torch.uint8) if cold else None
         times = []
         for _ in range(runs):
+            if evict is not None:
+                evict.add_(1)
             started = time.perf_counter()
             dst.copy_(src)
             times.append(time.perf_counter() - started)
@@ -139,8 +156,9 @@ def snapshot_step_bytes(snapshot_dir: Path) -> int:
     return sum(f.stat().st_size for f in steps[-1].rglob("*") if f.is_file())
 
 
-def memory_blocking(metrics_url: str) -> float:
-    """Mean seconds a snapshot held the step, as the worker reported it to its agent."""
+def memory_blocking(metrics_url: str) -> tuple[float, float]:
+    """(seconds, snapshots) the snapshots so far held the step, as the worker reported them to
+    its agent."""
     import urllib.request
 
     from prometheus_client.parser import text_string_to_metric_families
@@ -152,7 +170,7 @@ def memory_blocking(metrics_url: str) -> float:
             for sample in family.samples:
                 if sample.labels.get("tier") == "memory":
                     found[sample.name.rsplit("_", 1)[-1]] = sample.value
-    return found["sum"] / found["count"] if found.get("count") else float("nan")
+    return found.get("sum", 0.0), found.get("count", 0.0)
 
 
 def step_gaps(steps_file: Path, after: float = 0.0) -> list[float]:
@@ -219,7 +237,9 @@ class ArmRun:
     control_cpu: float  # CPU seconds per step of the control processes
     worker_cpu: float  # and of the training processes
     collectives: float  # collective calls per step and rank
-    blocking: float = float("nan")  # mean seconds a snapshot held the step (ultrad+snap)
+    # Mean seconds a snapshot held the step (ultrad+snap), over the snapshots after the first
+    # WARMUP steps: the rewrites, not the generation's first snapshot (a full, collective save).
+    blocking: float = float("nan")
     snapshot_bytes: int = 0  # the bytes of one snapshot step
 
 
@@ -232,7 +252,8 @@ def run_bare(work: Path, job: Path, steps: int, ranks: int, pin: bool = False) -
         proc = subprocess.Popen(
             [sys.executable, "-m", "torch.distributed.run", "--standalone",
              f"--nproc-per-node={ranks}", "-m", "trainer", "--config", str(job), "--steps",
-             str(steps), "--set", "checkpoint.every=0", "--set", f'job.output_dir="{output}"'],
+             str(steps), "--set", f"train.steps={steps}", "--set", "checkpoint.every=0",
+             "--set", f'job.output_dir="{output}"'],  # the same job the ultrad arms submit
             cwd=work, env={**_env(), "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
                            **counting_env(work / "collectives")},
             stdout=subprocess.DEVNULL, stderr=log)
@@ -288,6 +309,7 @@ def run_ultrad(work: Path, job: Path, steps: int, nodes: int, snapshots: bool,
     pids: set[int] = set()
     meter = CpuMeter(output / "steps.jsonl", work / "collectives", pin)
     blocking, snapshot_bytes = float("nan"), 0
+    warm: tuple[float, float] | None = None  # memory_blocking once WARMUP steps are in
     saved_env = dict(os.environ)
     os.environ.update(counting_env(work / "collectives"))  # the agents pass it to workers
     try:
@@ -298,20 +320,25 @@ def run_ultrad(work: Path, job: Path, steps: int, nodes: int, snapshots: bool,
                      f"checkpoint.snapshot_every={1 if snapshots else 0}"]
         _call(cluster, token, "SubmitJob",
               pb.SubmitJobRequest(spec_toml=job.read_text(), overrides=overrides))
+        metrics_url = json.loads((cluster.state_dir / "node-0" / "agent.json").read_text())[
+            "metrics_url"]
 
         def finished() -> bool:
+            nonlocal warm
             for proc in cluster.agents.values():
                 pids.update(_descendants(proc.pid))
             assert cluster.etcd is not None and cluster.etcd.proc is not None
             control = [p.pid for p in cluster.agents.values()] + [cluster.etcd.proc.pid]
             meter.sample(control, pids)
+            if snapshots and warm is None and meter.workers[-1][1] > WARMUP:
+                warm = memory_blocking(metrics_url)
             return _call(cluster, token, "GetStatus", pb.GetStatusRequest()).finished
 
         _wait(finished, 900, "the job to finish", 0.2 if pin else 0.5)
-        if snapshots:
-            metrics_url = json.loads((cluster.state_dir / "node-0" / "agent.json").read_text())[
-                "metrics_url"]
-            blocking = memory_blocking(metrics_url)
+        if snapshots and warm is not None:
+            held, taken = memory_blocking(metrics_url)
+            if taken > warm[1]:
+                blocking = (held - warm[0]) / (taken - warm[1])
             assert cluster.snapshot_dir is not None
             snapshot_bytes = snapshot_step_bytes(cluster.snapshot_dir)
     finally:
@@ -378,11 +405,13 @@ def table(root: Path, job: Path, arms: list[str], runs: int, steps: int, ranks: 
         snaps = results["ultrad+snap"]
         nbytes = int(statistics.median(r.snapshot_bytes for r in snaps))
         blocking = statistics.median(r.blocking for r in snaps)
-        copy = copy_seconds(nbytes) if nbytes else float("nan")
-        print(f"\na snapshot of {nbytes / 1e6:.2f} MB held the step {blocking * 1e3:.2f} ms "
-              f"(worker's report, mean over the run; median over runs); a plain copy of the "
-              f"same bytes on CPU {min(TRAINING_CPU)}: {copy * 1e3:.2f} ms "
-              f"({blocking / copy:.1f}x)")
+        hot = copy_seconds(nbytes) if nbytes else float("nan")
+        cold = copy_seconds(nbytes, cold=True) if nbytes else float("nan")
+        print(f"\na snapshot of {nbytes / 1e6:.2f} MB held the step {blocking * 1e3:.3f} ms "
+              f"(worker's report, mean over the snapshots after step {WARMUP}, median over runs); "
+              f"a plain copy of the same bytes on CPU {min(TRAINING_CPU)}: {cold * 1e3:.3f} ms "
+              f"from memory ({blocking / cold:.1f}x), {hot * 1e3:.3f} ms from the caches "
+              f"({blocking / hot:.1f}x)")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import math
 import pickle
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -49,12 +49,45 @@ def _storage(t: torch.Tensor) -> int:
     return int(local.untyped_storage().data_ptr())
 
 
+def tensor_as_bytes(data: torch.Tensor) -> torch.Tensor:
+    """`data`'s elements as flat uint8, on its own device: a view of its memory when it is
+    contiguous, else a contiguous copy."""
+    dense = data.detach()
+    if not dense.is_contiguous():
+        dense = dense.contiguous()
+    return dense.reshape(-1).view(torch.uint8)
+
+
 def live_storages(state: TrainState) -> frozenset[int]:
-    """The memory of every parameter, buffer and optimizer state tensor, as it is now."""
-    tensors: list[torch.Tensor] = [*state.model.parameters(), *state.model.buffers()]
+    """The memory of every parameter, buffer and optimizer state tensor, as it is now.
+
+    Read from each module's own parameter and buffer dicts (what `parameters()` and
+    `buffers()` walk, without their generators: this runs at every snapshot)."""
+    tensors = [t for module in state.model.modules()
+               for t in (*module._parameters.values(), *module._buffers.values())  # noqa: SLF001
+               if t is not None]
     for per_param in state.optimizer.state.values():
         tensors += [v for v in per_param.values() if isinstance(v, torch.Tensor)]
     return frozenset(_storage(t) for t in tensors)
+
+
+@dataclass(frozen=True)
+class Capture:
+    """What a rewrite reads from the state on the step, in the order it needs it: each byte
+    item's template index and value getter, and each non-empty tensor item's bytes (a view of
+    the live tensor's memory, or for the RNG state and non-contiguous tensors, a source to
+    convert at every use)."""
+
+    getters: tuple[tuple[int, Callable[[], Any]], ...]
+    tensors: tuple[tuple[torch.Tensor | None, Callable[[], torch.Tensor] | torch.Tensor], ...]
+
+    def values(self) -> dict[int, Any]:
+        return {index: get() for index, get in self.getters}
+
+    def tensor_bytes(self) -> list[torch.Tensor]:
+        return [view if view is not None
+                else tensor_as_bytes(source() if callable(source) else source)
+                for view, source in self.tensors]
 
 
 @dataclass(frozen=True)
@@ -71,6 +104,9 @@ class ResolvedTemplate:
     # Byte item index -> (its value, its slot) as last written: a value that did not change
     # (hyper-parameters, mostly) is not pickled again.
     slots: dict[int, tuple[Any, bytes]] = field(default_factory=dict, compare=False, repr=False)
+    # The capture of the template's items with these lengths (`capture`), made on first use.
+    _captures: dict[tuple[int, ...], Capture] = field(
+        default_factory=dict, compare=False, repr=False)
 
     def slotted(self, index: int, value: Any, length: int) -> bytes:
         """Byte item `index`'s slot of `length` bytes holding `value` (ValueError: too big)."""
@@ -84,10 +120,19 @@ class ResolvedTemplate:
     def usable(self, state: TrainState) -> bool:
         return self.storages <= live_storages(state)
 
-    def resolve(self) -> Iterable[tuple[torch.Tensor | Any, bool]]:
-        """Each item's data: a tensor, or (byte items) its current value."""
-        for source, is_bytes in zip(self.sources, self.is_bytes, strict=True):
-            yield (source() if callable(source) else source), is_bytes
+    def capture(self, lengths: tuple[int, ...]) -> Capture:
+        """What a rewrite of the template whose items have `lengths` reads (empty tensor
+        items have nothing to copy), worked out once."""
+        found = self._captures.get(lengths)
+        if found is None:
+            items = list(zip(self.sources, self.is_bytes, self.views, lengths, strict=True))
+            found = Capture(
+                getters=tuple((index, source) for index, (source, is_bytes, _, _)
+                              in enumerate(items) if is_bytes),
+                tensors=tuple((view, source) for source, is_bytes, view, length in items
+                              if not is_bytes and length))
+            self._captures[lengths] = found
+        return found
 
 
 def build(state: TrainState, flat: dict[str, Any], items: list[tuple[Any, Any, bool]]

@@ -47,15 +47,6 @@ from checkpoint.snapshot_format import (
 Items = tuple[tuple[Any, int, int], ...]
 
 
-def tensor_as_bytes(data: torch.Tensor) -> torch.Tensor:
-    """`data`'s elements as flat uint8, on its own device: a view of its memory when it is
-    contiguous, else a contiguous copy."""
-    dense = data.detach()
-    if not dense.is_contiguous():
-        dense = dense.contiguous()
-    return dense.reshape(-1).view(torch.uint8)
-
-
 class HostStaging:
     """One rank's shard as host memory: `size` bytes, each tensor item's bytes at its offset.
 
@@ -87,7 +78,7 @@ class HostStaging:
             torch.cuda.current_stream(self.device).wait_event(self.copied)
 
     def copy(self, sources: list[torch.Tensor]) -> None:
-        """Copy each tensor item's bytes (`tensor_as_bytes`, in `destinations`' order) into
+        """Copy each tensor item's bytes (`snapshot_fastpath.tensor_as_bytes`, in `destinations`' order) into
         its place."""
         destinations = self.destinations
         if not destinations:

@@ -55,7 +55,7 @@ from checkpoint.snapshot_format import (
     step_dir,
     write_atomically,
 )
-from checkpoint.snapshot_staging import HostStaging, StagedShard, tensor_as_bytes
+from checkpoint.snapshot_staging import HostStaging, StagedShard
 from checkpoint.state import TrainState
 
 # The index under which a rank's write results carry its FileEntry to the coordinator:
@@ -371,8 +371,10 @@ def stage_rewrite(
     next rewrite may use (None: no fast path for this state).
     """
     started = time.perf_counter()
+    lengths = tuple(length for _, _, length in template.items)
     if resolved is not None and resolved.usable(state):
-        sources = list(resolved.resolve())
+        capture = resolved.capture(lengths)
+        values, tensors = capture.values(), capture.tensor_bytes()
     else:
         planner = DefaultSavePlanner()
         planner.set_up_planner({"state": state.state_dict()}, None, coordinator is not None)
@@ -382,17 +384,11 @@ def stage_rewrite(
         resolved = fastpath.build(state, planner.state_dict, [
             (item, data, is_bytes) for (item, _, _), (data, is_bytes)
             in zip(template.items, sources, strict=True)])
+        values = {index: data for index, (data, is_bytes) in enumerate(sources) if is_bytes}
+        tensors = [fastpath.tensor_as_bytes(data) for (data, is_bytes), length
+                   in zip(sources, lengths, strict=True) if not is_bytes and length]
     if staging is None:
         staging = staging_for(state, template)
-    views = resolved.views if resolved is not None else (None,) * len(template.items)
-    values: dict[int, Any] = {}
-    tensors: list[torch.Tensor] = []
-    for index, ((_, _, length), (data, is_bytes), view) in enumerate(
-            zip(template.items, sources, views, strict=True)):
-        if is_bytes:
-            values[index] = data
-        elif length:
-            tensors.append(view if view is not None else tensor_as_bytes(data))
     staging.copy(tensors)
     step, consumed = state.progress.step, state.progress.consumed_samples
     directory = step_dir(root, step)

@@ -31,6 +31,7 @@ from checkpoint.snapshot_writer import (
     staging_for,
 )
 from checkpoint.state import TrainState
+from trainer.thread_names import SNAPSHOT_WRITER, name_thread
 
 # A rewrite in this many looks every item up again (and rebuilds the fast path).
 _REVALIDATE_EVERY = 100
@@ -106,7 +107,9 @@ class Snapshots:
                 self._resolved = staged.resolved
                 self._rewrites += 1
                 if self._writer is None:
-                    self._writer = ThreadPoolExecutor(1, thread_name_prefix="snapshot-write")
+                    self._writer = ThreadPoolExecutor(
+                        1, thread_name_prefix=SNAPSHOT_WRITER,
+                        initializer=name_thread, initargs=(SNAPSHOT_WRITER,))
                 self._pending = (staged.step, self._writer.submit(staged.write))
         except (CheckpointException, OSError, ValueError) as exc:
             self.blocking_seconds = time.perf_counter() - started

@@ -34,7 +34,6 @@ from trainer.agent_death import die_with_agent
 from trainer.stack_dump import answer_stack_requests
 
 # isort: split
-import ctypes
 import os
 import sys
 import time
@@ -62,8 +61,7 @@ from trainer.shared_storage import check_shared
 from trainer.standby import await_role, is_standby
 from trainer.teardown import Teardown, freeze_import_heap, sever_connections
 from trainer.telemetry import expert_telemetry
-
-PR_SET_NAME = 15
+from trainer.thread_names import name_thread
 
 
 def _log(msg: str) -> None:
@@ -86,10 +84,9 @@ class Outcome:
 
 
 def name_process(name: str) -> None:
-    """What `ps -o comm`, top and /proc/<pid>/comm show (Linux PR_SET_NAME, 15 bytes):
-    `ultra-w<local rank>` for a worker, `ultra-standby` for the standby until it takes a rank."""
-    if sys.platform.startswith("linux"):
-        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_NAME, name.encode()[:15], 0, 0, 0)
+    """What `ps -o comm`, top and /proc/<pid>/comm show: `ultra-w<local rank>` for a worker,
+    `ultra-standby` for the standby until it takes a rank (threads started later inherit it)."""
+    name_thread(name)
 
 
 def store_prefix(gp: pb.GenerationPlan) -> str:

@@ -18,6 +18,7 @@ from checkpoint.snapshot_format import record_name, shard_name, step_dir
 from checkpoint.snapshot_reader import load_snapshot, local_fetch
 from checkpoint.state import Progress, TrainState
 from trainer.snapshots import Snapshots
+from trainer.thread_names import SNAPSHOT_WRITER
 
 pytestmark = pytest.mark.unit
 
@@ -87,6 +88,24 @@ def test_the_step_pays_the_copy_and_the_write_comes_after_with_the_step_values(s
     release.set()
     assert snapshots.drain() and snapshots.failures == 0 and not logged
     _assert_equal(_restored(shm, 2), want)
+
+
+def _thread_names() -> list[str]:
+    return [(task / "comm").read_text().strip() for task in Path("/proc/self/task").iterdir()]
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="needs Linux /proc")
+def test_the_writer_thread_is_named_for_top_and_pinning(shm):
+    """`top -H`, and bench.overhead --pin (which keeps it off the training core), see it."""
+    state = _state()
+    snapshots = Snapshots(shm, 1, {}, print)
+    # The first is a full save on the step; the second starts the writer thread, which names
+    # itself before it writes; the third waits for that write.
+    for _ in range(3):
+        _train(state, snapshots.fence)
+        assert snapshots.take(state)
+    assert _thread_names().count(SNAPSHOT_WRITER) == 1
+    assert snapshots.drain()
 
 
 def test_every_rewrite_restores_its_own_step(shm):
