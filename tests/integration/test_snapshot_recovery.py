@@ -68,8 +68,14 @@ def run_until_a_kill(cluster: LocalCluster, token_file: Path, tmp_path: Path,
 def submit_and_kill(cluster: LocalCluster, token_file: Path, tmp_path: Path,
                     victim: str | None = None, **checkpoint: object) -> tuple[str, str, Path]:
     """Submit the job (`checkpoint` adds options of its section), and SIGKILL `victim`'s agent
-    (default: the leader's) once step KILL_AFTER is committed; returns (token, victim,
-    steps.jsonl)."""
+    (default: the leader's) once step KILL_AFTER is committed and, with snapshots on, a
+    snapshot newer than the durable checkpoint at EVERY is complete (held by two nodes);
+    returns (token, victim, steps.jsonl).
+
+    Replication runs beside training and is not paced by it: on a loaded machine (two pytest
+    processes on two cores) the agents fell 3 steps behind, and a kill at step 10 found step 6
+    the newest complete one. Which step is complete when the kill lands is timing; which step
+    the survivors restore, given what was complete, is what these tests check."""
     # Durable checkpoints every 6 steps: a restore from disk at step 9 would lose 3.
     job_text = small_job_text(token_file, train={"steps": STEPS},
                               checkpoint={"dir": "ckpt", "every": EVERY, **checkpoint})
@@ -81,9 +87,20 @@ def submit_and_kill(cluster: LocalCluster, token_file: Path, tmp_path: Path,
     steps_file = output / "steps.jsonl"
     wait_until(lambda: max(committed_steps(steps_file), default=0) >= KILL_AFTER, 120,
                f"step {KILL_AFTER}", 0.05)
+    if checkpoint.get("snapshot_every", 1) != 0:
+        wait_until(lambda: snapshot_complete(cluster) > EVERY, 120,
+                   f"a complete snapshot newer than step {EVERY}", 0.05)
     victim = victim or _call(cluster, token, "GetStatus", pb.GetStatusRequest()).leader
     cluster.agents[victim].send_signal(signal.SIGKILL)
     return token, victim, steps_file
+
+
+def snapshot_complete(cluster: LocalCluster) -> int:
+    """The newest complete snapshot step the job's progress record names (-1: none yet)."""
+    assert cluster.etcd is not None
+    found = etcd_call(cluster.etcd.endpoint,
+                      lambda e: e.get(Keys(cluster.namespace).progress))
+    return Progress.from_json(found.value).snapshot_complete if found is not None else -1
 
 
 def check_exact(steps_file: Path, job: Path) -> None:
@@ -103,10 +120,10 @@ def test_kill_one_agent_restores_from_peer_memory(cluster: LocalCluster, token_f
     first_world = [r["step"] for r in lines if r["world_size"] == 3]
     second_world = [r["step"] for r in lines if r["world_size"] == 2]
     restored = min(second_world) - 1
-    # Not the durable checkpoint at 6: the snapshot of the last committed step, or of the one
-    # before when the kill landed while that step's snapshot was still on its way to the buddy.
-    assert max(first_world) - restored <= 1, (max(first_world), restored)
-    assert restored > EVERY
+    # Not the durable checkpoint at 6: a snapshot at least as new as the newest complete one
+    # when the kill landed (how far replication trailed the step is timing; `make chaos`
+    # prints the steps re-run per fault).
+    assert EVERY < restored <= max(first_world), (max(first_world), restored)
 
     events = restore_events(cluster, token)
     assert any(f"restored snapshot@{restored} from memory" in e for e in events), events
