@@ -78,8 +78,8 @@ class HostStaging:
             torch.cuda.current_stream(self.device).wait_event(self.copied)
 
     def copy(self, sources: list[torch.Tensor]) -> None:
-        """Copy each tensor item's bytes (`snapshot_fastpath.tensor_as_bytes`, in `destinations`' order) into
-        its place."""
+        """Copy each tensor item's bytes (`snapshot_fastpath.tensor_as_bytes`), in
+        `destinations`' order, into its place."""
         destinations = self.destinations
         if not destinations:
             return
