@@ -40,6 +40,8 @@ METADATA_NAME = ".metadata"
 # 4 MiB: big enough that per-chunk overhead is noise, small enough that a byte-range read
 # verifies little beyond what it asked for.
 CHUNK_BYTES = 4 << 20
+# The most byte ranges one fetch call carries (worker to agent, agent to peer).
+MAX_RANGES_PER_CALL = 4096
 _PREAD_MAX = 0x7FFFF000  # the most one read(2) returns on Linux
 _STEP_DIR = re.compile(r"step_(\d{8,})")
 

@@ -26,7 +26,8 @@ import bisect
 import io
 import math
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -58,7 +59,19 @@ from checkpoint.snapshot_format import (
 from checkpoint.snapshot_store import SnapshotStore
 from checkpoint.state import TrainState
 
-Fetch = Callable[[str, int, int], bytes]
+
+@dataclass(frozen=True)
+class Range:
+    """Bytes [offset, offset + length) of a file of the step being read (length -1: to its end)."""
+
+    file: str
+    offset: int
+    length: int
+
+
+# fetch(ranges) -> each range's bytes, in order: everything one step of the reader needs, in
+# one call, so that a fetch through the agent costs one round trip per holding peer.
+Fetch = Callable[[Sequence[Range]], list[bytes]]
 # agree(this rank's failure, "" for none): every failing rank's reason, joined ("" for none).
 # A collective: every rank calls it the same number of times.
 Agree = Callable[[str], str]
@@ -110,39 +123,63 @@ class SnapshotReader(StorageReader):
             raise ValueError("SnapshotReader reads through its fetch; pass checkpoint_id=None")
         self._verified, self._values = {}, {}
 
-    def _entry(self, file: str, where: str) -> FileEntry:
+    def _entry(self, file: str) -> FileEntry:
         """The manifest's entry for `file`, with its chunk checksums: a shard's come from its
-        rank's record, fetched once."""
+        rank's record (`_fetch_spans` fetches those it lacks)."""
         assert self.manifest is not None
         entry = self.manifest.file(file)
-        if entry.chunks is not None:
-            return entry
-        if file not in self._records:
-            name = record_name(entry.rank)
-            try:
-                raw = self.fetch(name, 0, -1)
-            except (OSError, KeyError) as exc:
-                raise SnapshotInvalid(f"{where}: its record {name} could not be fetched: "
-                                      f"{exc}") from None
-            self._records[file] = parse_record(raw, self.step, entry, where)
-        return self._records[file]
+        return entry if entry.chunks is not None else self._records[file]
 
     def _where(self, file: str) -> str:
         assert self.manifest is not None
         return f"snapshot step {self.step}: file {file} (rank {self.manifest.file(file).rank})"
 
-    def _get(self, file: str, offset: int, length: int) -> bytes:
-        """Bytes [offset, offset + length) of `file`, fetched chunk-aligned and verified."""
-        where = self._where(file)
-        entry = self._entry(file, where)
-        start, end = chunk_span(entry, offset, length, where)
+    def _fetch(self, ranges: Sequence[Range], what: str) -> list[bytes]:
         try:
-            data = self.fetch(file, start, end - start)
+            fetched = self.fetch(ranges)
         except SnapshotInvalid:
             raise
         except (OSError, KeyError) as exc:
-            raise SnapshotInvalid(f"{where} could not be fetched: {exc}") from None
-        verify_span(entry, start, end, data, where)
+            raise SnapshotInvalid(f"snapshot step {self.step}: {what} could not be fetched: "
+                                  f"{exc}") from None
+        if len(fetched) != len(ranges):
+            raise SnapshotInvalid(f"snapshot step {self.step}: fetching {what} returned "
+                                  f"{len(fetched)} ranges of {len(ranges)}")
+        return fetched
+
+    def _fetch_spans(self, spans: dict[str, list[tuple[int, int]]]) -> dict[str, list[bytes]]:
+        """Chunk-aligned spans (`chunk_span`) of files, with the records of shards whose chunk
+        checksums this reader lacks, in one fetch; each span verified."""
+        assert self.manifest is not None
+        records = sorted({record_name(self.manifest.file(f).rank) for f in spans
+                          if self.manifest.file(f).chunks is None and f not in self._records})
+        ranges = [Range(name, 0, -1) for name in records] + [
+            Range(file, lo, hi - lo) for file, runs in spans.items() for lo, hi in runs]
+        fetched = self._fetch(ranges, ", ".join(sorted(spans)))
+        by_name = dict(zip(records, fetched, strict=False))
+        for file in spans:
+            entry = self.manifest.file(file)
+            if entry.chunks is None and file not in self._records:
+                where = self._where(file)
+                self._records[file] = parse_record(by_name[record_name(entry.rank)], self.step,
+                                                   entry, where)
+        out: dict[str, list[bytes]] = {}
+        data = iter(fetched[len(records):])
+        for file, runs in spans.items():
+            where, entry = self._where(file), self._entry(file)
+            out[file] = []
+            for lo, hi in runs:
+                chunk = next(data)
+                verify_span(entry, lo, hi, chunk, where)
+                out[file].append(chunk)
+        return out
+
+    def _get(self, file: str, offset: int, length: int) -> bytes:
+        """Bytes [offset, offset + length) of `file`, fetched chunk-aligned and verified."""
+        assert self.manifest is not None
+        where = self._where(file)
+        start, end = chunk_span(self.manifest.file(file), offset, length, where)
+        data = self._fetch_spans({file: [(start, end)]})[file][0]
         return data[offset - start : offset - start + length]
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
@@ -155,10 +192,7 @@ class SnapshotReader(StorageReader):
 
     def _read_metadata(self) -> Metadata:
         where = f"snapshot step {self.step}: {MANIFEST_NAME}"
-        try:
-            raw = self.fetch(MANIFEST_NAME, 0, -1)
-        except (OSError, KeyError) as exc:
-            raise SnapshotInvalid(f"{where} could not be fetched: {exc}") from None
+        raw = self._fetch([Range(MANIFEST_NAME, 0, -1)], MANIFEST_NAME)[0]
         self.manifest = SnapshotManifest.parse(raw, where)
         if self.manifest.step != self.step:
             raise SnapshotInvalid(f"{where}: field 'step' is {self.manifest.step}, not {self.step}")
@@ -208,15 +242,22 @@ class SnapshotReader(StorageReader):
             if read_item.type != LoadItemType.BYTE_IO:
                 self._check_tensor(item, index)
             by_file.setdefault(item.file, []).append(index)
+        # Each chunk is fetched and verified once, all files in one fetch: the items'
+        # chunk-aligned spans merged per file (a file up to 4 MiB is one span).
+        assert self.manifest is not None
+        spans = {}
         for file, indices in by_file.items():
-            items = [self.storage_data[i] for i in indices]
-            spans = _merge((item.offset, item.offset + item.length) for item in items)
-            fetched = [self._get(file, lo, hi - lo) for lo, hi in spans]
-            starts = [lo for lo, _ in spans]
-            for index, item in zip(indices, items, strict=True):
+            where, entry = self._where(file), self.manifest.file(file)
+            spans[file] = _merge(chunk_span(entry, self.storage_data[i].offset,
+                                            self.storage_data[i].length, where) for i in indices)
+        fetched = self._fetch_spans(spans)
+        for file, indices in by_file.items():
+            starts = [lo for lo, _ in spans[file]]
+            for index in indices:
+                item = self.storage_data[index]
                 k = bisect.bisect_right(starts, item.offset) - 1
                 begin = item.offset - starts[k]
-                self._verified[index] = fetched[k][begin : begin + item.length]
+                self._verified[index] = fetched[file][k][begin : begin + item.length]
         for read_item in plan.items:
             if read_item.type == LoadItemType.BYTE_IO:
                 index = read_item.storage_index
@@ -363,17 +404,19 @@ def load_snapshot(
 def local_fetch(root: Path, step: int) -> Fetch:
     """A fetch from this node's shared memory."""
     store = SnapshotStore(root)
-    return lambda file, offset, length: store.read(step, file, offset, length)
+    return lambda ranges: [store.read(step, r.file, r.offset, r.length) for r in ranges]
 
 
 def local_first_fetch(root: Path, step: int, remote: Fetch) -> Fetch:
     """A fetch that reads what this node's shared memory holds straight from it and asks
-    `remote` (the agent, which reads a peer's memory) for the rest. The bytes are raw either
-    way, as the agent serves them: the reader verifies everything it uses. A restoring worker
-    reads most of its bytes locally, and a gRPC round trip per range cost it ~2 ms each."""
+    `remote` (the agent, which reads a peer's memory) for the rest, in one call. The bytes are
+    raw either way, as the agent serves them: the reader verifies everything it uses. A
+    restoring worker reads most of its bytes locally, and a gRPC round trip cost it ~2 ms."""
 
-    def fetch(file: str, offset: int, length: int) -> bytes:
-        data = read_held(root, step, file, offset, length)
-        return remote(file, offset, length) if data is None else data
+    def fetch(ranges: Sequence[Range]) -> list[bytes]:
+        held = [read_held(root, step, r.file, r.offset, r.length) for r in ranges]
+        missing = [r for r, data in zip(ranges, held, strict=True) if data is None]
+        asked = iter(remote(missing) if missing else ())
+        return [next(asked) if data is None else data for data in held]
 
     return fetch

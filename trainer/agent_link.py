@@ -12,9 +12,12 @@ so the agent sees a worker's calls in the order the worker made them.
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Sequence
 
 import grpc
 
+from checkpoint.snapshot_format import MAX_RANGES_PER_CALL
+from checkpoint.snapshot_reader import Fetch, Range
 from parallel.job import FaultConfig
 from proto.ultrascale.v1 import agent_pb2 as pb
 from proto.ultrascale.v1 import agent_pb2_grpc as pb_grpc
@@ -206,22 +209,37 @@ class AgentLink:
             ),
         )
 
-    def snapshot_fetch(self, step: int):
-        """A fetch (file, offset, length) -> bytes of snapshot `step`, through the agent: from
-        this node's memory or a peer's. A failed call raises OSError, which the snapshot reader
-        reports as a file it could not fetch (and the restore falls back)."""
+    def snapshot_fetch(self, step: int) -> Fetch:
+        """A fetch of byte ranges of snapshot `step` through the agent, from this node's memory
+        or the peers': one call for up to MAX_RANGES_PER_CALL ranges (the agent makes one call
+        per holding peer). A failed call raises OSError, which the snapshot reader reports as
+        files it could not fetch (and the restore falls back)."""
 
-        def fetch(file: str, offset: int, length: int) -> bytes:
-            request = pb.SnapshotRange(step=step, file=file, offset=offset, length=length)
-            try:
-                pieces = self.stub.FetchSnapshot(request, timeout=self.fault.restore_timeout_s)
-                return b"".join(piece.data for piece in pieces)
-            except grpc.RpcError as exc:
-                code = exc.code().name if hasattr(exc, "code") else "UNKNOWN"
-                details = exc.details() if hasattr(exc, "details") else ""
-                raise OSError(f"FetchSnapshot {file} failed ({code}: {details})") from None
+        def fetch(ranges: Sequence[Range]) -> list[bytes]:
+            out: list[bytes] = []
+            for first in range(0, len(ranges), MAX_RANGES_PER_CALL):
+                out += self._fetch_ranges(step, ranges[first:first + MAX_RANGES_PER_CALL])
+            return out
 
         return fetch
+
+    def _fetch_ranges(self, step: int, ranges: Sequence[Range]) -> list[bytes]:
+        request = pb.SnapshotRanges(step=step, ranges=[
+            pb.FileRange(file=r.file, offset=r.offset, length=r.length) for r in ranges])
+        pieces: list[list[bytes]] = [[] for _ in ranges]
+        try:
+            for piece in self.stub.FetchSnapshot(request, timeout=self.fault.restore_timeout_s):
+                if not 0 <= piece.range < len(pieces):
+                    raise OSError(f"FetchSnapshot answered range {piece.range} of {len(pieces)}")
+                pieces[piece.range].append(piece.data)
+        except grpc.RpcError as exc:
+            code = exc.code().name if hasattr(exc, "code") else "UNKNOWN"
+            details = exc.details() if hasattr(exc, "details") else ""
+            files = ", ".join(sorted({r.file for r in ranges}))
+            raise OSError(f"FetchSnapshot {files} failed ({code}: {details})") from None
+        if not all(pieces):
+            raise OSError("FetchSnapshot left ranges unanswered")
+        return [b"".join(p) for p in pieces]
 
     def report_restore(self, gp: pb.GenerationPlan, r: Restored) -> None:
         """Best effort: what this rank restored (rank 0's report becomes an event)."""

@@ -11,7 +11,7 @@ decides the same way (by step number), so no rank waits on another that skipped.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -21,7 +21,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from checkpoint.snapshot_fastpath import ResolvedTemplate
 from checkpoint.snapshot_format import SnapshotInvalid
-from checkpoint.snapshot_reader import Fetch, load_snapshot
+from checkpoint.snapshot_reader import Fetch, Range, load_snapshot
 from checkpoint.snapshot_staging import HostStaging
 from checkpoint.snapshot_writer import (
     CoordinatorTemplate,
@@ -44,10 +44,10 @@ class CountingFetch:
         self.fetch = fetch
         self.bytes = 0
 
-    def __call__(self, file: str, offset: int, length: int) -> bytes:
-        data = self.fetch(file, offset, length)
-        self.bytes += len(data)
-        return data
+    def __call__(self, ranges: Sequence[Range]) -> list[bytes]:
+        fetched = self.fetch(ranges)
+        self.bytes += sum(map(len, fetched))
+        return fetched
 
 
 class Snapshots:

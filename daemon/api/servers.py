@@ -175,13 +175,22 @@ class AgentIO:
         """Send one snapshot file to the agent at `address` (SnapshotPeer.Replicate)."""
         await self._replication.send(address, header, pieces)
 
-    async def read_snapshot(self, address: str, request: pb.SnapshotRange
-                            ) -> AsyncIterator[bytes]:
-        """Bytes of a snapshot file held by the agent at `address` (SnapshotPeer.ReadRange)."""
+    async def read_snapshot(self, address: str, request: pb.SnapshotRanges
+                            ) -> list[list[bytes]]:
+        """The pieces of each range of `request`, read from the agent at `address` in one call
+        (SnapshotPeer.ReadRanges). Raises grpc.aio.AioRpcError, and ValueError for a reply
+        that does not answer every range."""
         stub = pb_grpc.SnapshotPeerStub(self._peer(address))
-        async for piece in stub.ReadRange(request, metadata=self._peer_metadata(),
-                                          timeout=max(10.0, self.config.ttl * 4)):
-            yield piece.data
+        pieces: list[list[bytes]] = [[] for _ in request.ranges]
+        async for piece in stub.ReadRanges(request, metadata=self._peer_metadata(),
+                                           timeout=max(10.0, self.config.ttl * 4)):
+            if not 0 <= piece.range < len(pieces):
+                raise ValueError(f"{address} answered range {piece.range} of "
+                                 f"{len(pieces)}")
+            pieces[piece.range].append(piece.data)
+        if not all(pieces):
+            raise ValueError(f"{address} left ranges unanswered")
+        return pieces
 
     async def snapshot_holdings(self, address: str) -> SnapshotHoldings | None:
         """What the agent at `address` holds of snapshots now (SnapshotPeer.Holdings); None

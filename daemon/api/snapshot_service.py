@@ -2,13 +2,13 @@
 
 An agent streams the files of each snapshot step to its peers over one long-lived stream per
 peer (`Replicate`: per file a header, then the data in pieces of at most 1 MiB; one FileAck per
-file back), reads byte ranges of files another agent holds (`ReadRange`), and
+file back), reads byte ranges of files another agent holds (`ReadRanges`), and
 the leader asks what each holds (`Holdings`).
 Calls carry the job submission's peer key (`authorization: Bearer <key>`, auth.py), which only
 agents can read from etcd (daemon/control/peer_key.py): admin tokens stay per node.
 
 What one stream may cost the receiver is bounded: a file's data goes to disk as it arrives, and
-ReadRange reads what it sends a piece at a time (one piece in memory either way); a declared
+ReadRanges reads what it sends a piece at a time (one piece in memory either way); a declared
 size beyond what the plan makes plausible ends the stream with INVALID_ARGUMENT before anything
 is written; and one peer host has at most MAX_STREAMS_PER_PEER Replicate streams open at once.
 A copy the keeper refuses (daemon/node/copy_admission.py) is read to its end and dropped, and
@@ -23,7 +23,7 @@ from collections.abc import AsyncIterator
 
 import grpc
 
-from checkpoint.snapshot_format import CHUNK_BYTES, SnapshotInvalid
+from checkpoint.snapshot_format import CHUNK_BYTES, MAX_RANGES_PER_CALL, SnapshotInvalid
 from daemon.node.copy_admission import size_bound
 from daemon.node.snapshot_files import PIECE_BYTES, Incoming, IncomingFile
 from daemon.node.snapshot_keeper import SnapshotKeeper
@@ -142,27 +142,32 @@ class SnapshotPeerService(pb_grpc.SnapshotPeerServicer):
                         message.rank, message.sender, message.spec_revision,
                         message.generation, message.mac)
 
-    async def ReadRange(self, request: pb.SnapshotRange,
-                        context: grpc.aio.ServicerContext) -> AsyncIterator[pb.SnapshotBytes]:
+    async def ReadRanges(self, request: pb.SnapshotRanges,
+                         context: grpc.aio.ServicerContext) -> AsyncIterator[pb.SnapshotPiece]:
+        if len(request.ranges) > MAX_RANGES_PER_CALL:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"ranges: {len(request.ranges)} in one call, at most "
+                                f"{MAX_RANGES_PER_CALL}")
         # Read and sent a piece at a time: a whole shard is never held in memory.
-        offset, remaining, first = request.offset, request.length, True
-        while True:
-            want = PIECE_BYTES if remaining < 0 else min(PIECE_BYTES, remaining)
-            try:
-                piece = self.keeper.read(request.step, request.file, offset, want)
-            except ValueError as exc:
-                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-            if piece is None:
-                await context.abort(grpc.StatusCode.NOT_FOUND,
-                                    f"snapshot step {request.step}: {request.file} is not held "
-                                    "here")
-            if piece or first:
-                yield pb.SnapshotBytes(data=piece)
-            first = False
-            offset += len(piece)
-            remaining -= len(piece) if remaining >= 0 else 0
-            if len(piece) < want or remaining == 0:
-                return
+        for index, asked in enumerate(request.ranges):
+            offset, remaining, first = asked.offset, asked.length, True
+            while True:
+                want = PIECE_BYTES if remaining < 0 else min(PIECE_BYTES, remaining)
+                try:
+                    piece = self.keeper.read(request.step, asked.file, offset, want)
+                except ValueError as exc:
+                    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+                if piece is None:
+                    await context.abort(grpc.StatusCode.NOT_FOUND,
+                                        f"snapshot step {request.step}: {asked.file} is not "
+                                        "held here")
+                if piece or first:
+                    yield pb.SnapshotPiece(range=index, data=piece)
+                first = False
+                offset += len(piece)
+                remaining -= len(piece) if remaining >= 0 else 0
+                if len(piece) < want or remaining == 0:
+                    break
 
     async def Holdings(self, request: pb.HoldingsRequest,
                        context: grpc.aio.ServicerContext) -> pb.HoldingsReply:

@@ -26,8 +26,8 @@ import grpc
 from daemon.config import AgentConfig
 from daemon.control.records import FailureKind
 from daemon.control.view import ClusterView
-from daemon.node.snapshot_files import PIECE_BYTES
 from daemon.node.snapshot_keeper import SnapshotKeeper
+from daemon.node.snapshot_relay import RelayError, fetch_ranges
 from parallel.job import ConfigError
 from parallel.job_paths import check_paths
 from parallel.planner import Plan
@@ -54,8 +54,8 @@ class WorkerHost(Protocol):
     def on_checkpoint(self, report: pb.CheckpointReport) -> None: ...
     def handed(self, local_rank: int, generation: int) -> None: ...
     def on_restore(self, report: pb.RestoreReport) -> None: ...
-    def read_peer_snapshot(self, address: str, request: pb.SnapshotRange
-                           ) -> AsyncIterator[bytes]: ...
+    async def read_peer_snapshot(self, address: str, request: pb.SnapshotRanges
+                                 ) -> list[list[bytes]]: ...
 
 
 class WorkerControlService(pb_grpc.WorkerControlServicer):
@@ -162,39 +162,17 @@ class WorkerControlService(pb_grpc.WorkerControlServicer):
         self.host.on_checkpoint(request)
         return pb.CheckpointReportReply()
 
-    async def FetchSnapshot(self, request: pb.SnapshotRange, context: grpc.aio.ServicerContext
-                            ) -> AsyncIterator[pb.SnapshotBytes]:
+    async def FetchSnapshot(self, request: pb.SnapshotRanges, context: grpc.aio.ServicerContext
+                            ) -> AsyncIterator[pb.SnapshotPiece]:
         keeper = self.host.snapshots
         if keeper is None:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
                                 "this agent keeps no snapshots")
         try:
-            data = keeper.read(request.step, request.file, request.offset, request.length)
-        except ValueError as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        if data is not None:
-            for start in range(0, max(1, len(data)), PIECE_BYTES):
-                yield pb.SnapshotBytes(data=data[start:start + PIECE_BYTES])
-            return
-        addresses = keeper.holders(request.step, request.file)
-        if not addresses:
-            await context.abort(grpc.StatusCode.NOT_FOUND,
-                                f"snapshot step {request.step}: no live agent holds {request.file}")
-        failures = []
-        for address in addresses:
-            pieces = []
-            try:
-                async for piece in self.host.read_peer_snapshot(address, request):
-                    pieces.append(piece)
-            except grpc.aio.AioRpcError as exc:
-                failures.append(f"{address}: {exc.code().name}: {exc.details()}")
-                continue
-            for piece in pieces:
-                yield pb.SnapshotBytes(data=piece)
-            return
-        await context.abort(grpc.StatusCode.UNAVAILABLE,
-                            f"snapshot step {request.step}: reading {request.file} failed from "
-                            + "; ".join(failures))
+            async for piece in fetch_ranges(keeper, self.host.read_peer_snapshot, request):
+                yield piece
+        except RelayError as exc:
+            await context.abort(exc.code, exc.details)
 
     async def ReportRestore(self, request: pb.RestoreReport,
                             context: grpc.aio.ServicerContext) -> pb.RestoreReply:

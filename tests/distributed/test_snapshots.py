@@ -282,11 +282,12 @@ DAMAGES: dict[str, tuple[Callable[[Path], None], str]] = {
 def _corrupted_transfer(fetch):
     """A fetch whose bytes of rank 0's shard arrive with one bit flipped (a bad transfer)."""
 
-    def flipped(file: str, offset: int, length: int) -> bytes:
-        data = fetch(file, offset, length)
-        if file != shard_name(0) or not data:
-            return data
-        return data[:1] + bytes([data[1] ^ 0x01]) + data[2:]
+    def flip(data: bytes) -> bytes:
+        return data[:1] + bytes([data[1] ^ 0x01]) + data[2:] if data else data
+
+    def flipped(ranges):
+        return [flip(data) if r.file == shard_name(0) else data
+                for r, data in zip(ranges, fetch(ranges), strict=True)]
 
     return flipped
 
@@ -295,10 +296,10 @@ def _manifest_lost_on_rank_1(fetch):
     """A fetch that cannot read the manifest on rank 1 only: that rank fails before the ranks
     agree, rank 0 verifies everything it needs; neither may load."""
 
-    def lost(file: str, offset: int, length: int) -> bytes:
-        if file == MANIFEST_NAME and dist.get_rank() == 1:
+    def lost(ranges):
+        if any(r.file == MANIFEST_NAME for r in ranges) and dist.get_rank() == 1:
             raise OSError("the agent holding it is gone")
-        return fetch(file, offset, length)
+        return fetch(ranges)
 
     return lost
 

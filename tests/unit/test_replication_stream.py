@@ -196,7 +196,7 @@ def test_a_peer_that_restarted_gets_a_new_stream(root):
     asyncio.run(main())
 
 
-def test_read_range_serves_ranges_and_whole_files_piece_by_piece(root):
+def test_read_ranges_serves_ranges_and_whole_files_piece_by_piece(root):
     async def main() -> None:
         async with linked(root) as (peer, sender, address):
             data = payload(2 * PIECE_BYTES + 123, 9)
@@ -205,9 +205,11 @@ def test_read_range_serves_ranges_and_whole_files_piece_by_piece(root):
             metadata = (("authorization", f"Bearer {SECRET}"),)
 
             async def read(offset: int, length: int, step: int = 3) -> list[bytes]:
-                return [p.data async for p in stub.ReadRange(pb.SnapshotRange(
-                    step=step, file=shard_name(0), offset=offset, length=length),
-                    metadata=metadata)]
+                pieces = [p async for p in stub.ReadRanges(pb.SnapshotRanges(
+                    step=step, ranges=[pb.FileRange(file=shard_name(0), offset=offset,
+                                                    length=length)]), metadata=metadata)]
+                assert {p.range for p in pieces} == {0}
+                return [p.data for p in pieces]
 
             whole = await read(0, -1)
             assert b"".join(whole) == data and max(map(len, whole)) == PIECE_BYTES
@@ -217,6 +219,22 @@ def test_read_range_serves_ranges_and_whole_files_piece_by_piece(root):
             with pytest.raises(grpc.aio.AioRpcError) as missing:
                 await read(0, -1, step=4)
             assert missing.value.code() == grpc.StatusCode.NOT_FOUND
+
+            # Several ranges in one call: each answered, in the order asked.
+            asked = [(PIECE_BYTES + 1, 7), (0, PIECE_BYTES + 2), (5, 0)]
+            answer = [p async for p in stub.ReadRanges(pb.SnapshotRanges(step=3, ranges=[
+                pb.FileRange(file=shard_name(0), offset=o, length=n) for o, n in asked]),
+                metadata=metadata)]
+            assert [p.range for p in answer] == [0, 1, 1, 2]
+            for index, (offset, length) in enumerate(asked):
+                assert b"".join(p.data for p in answer if p.range == index) == \
+                    data[offset:offset + length]
+            with pytest.raises(grpc.aio.AioRpcError) as too_many:
+                [p async for p in stub.ReadRanges(pb.SnapshotRanges(step=3, ranges=[
+                    pb.FileRange(file=shard_name(0), offset=0, length=1)] * 4097),
+                    metadata=metadata)]
+            assert too_many.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert "ranges: 4097 in one call, at most 4096" in too_many.value.details()
 
     asyncio.run(main())
 

@@ -417,23 +417,31 @@ class CheckpointReportReply(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
-class SnapshotRange(_message.Message):
-    __slots__ = ("step", "file", "offset", "length")
+class SnapshotRanges(_message.Message):
+    __slots__ = ("step", "ranges")
     STEP_FIELD_NUMBER: _ClassVar[int]
+    RANGES_FIELD_NUMBER: _ClassVar[int]
+    step: int
+    ranges: _containers.RepeatedCompositeFieldContainer[FileRange]
+    def __init__(self, step: _Optional[int] = ..., ranges: _Optional[_Iterable[_Union[FileRange, _Mapping]]] = ...) -> None: ...
+
+class FileRange(_message.Message):
+    __slots__ = ("file", "offset", "length")
     FILE_FIELD_NUMBER: _ClassVar[int]
     OFFSET_FIELD_NUMBER: _ClassVar[int]
     LENGTH_FIELD_NUMBER: _ClassVar[int]
-    step: int
     file: str
     offset: int
     length: int
-    def __init__(self, step: _Optional[int] = ..., file: _Optional[str] = ..., offset: _Optional[int] = ..., length: _Optional[int] = ...) -> None: ...
+    def __init__(self, file: _Optional[str] = ..., offset: _Optional[int] = ..., length: _Optional[int] = ...) -> None: ...
 
-class SnapshotBytes(_message.Message):
-    __slots__ = ("data",)
+class SnapshotPiece(_message.Message):
+    __slots__ = ("range", "data")
+    RANGE_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
+    range: int
     data: bytes
-    def __init__(self, data: _Optional[bytes] = ...) -> None: ...
+    def __init__(self, range: _Optional[int] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class RestoreReport(_message.Message):
     __slots__ = ("generation", "global_rank", "local_rank", "source", "step", "skipped", "seconds", "snapshot_bytes")

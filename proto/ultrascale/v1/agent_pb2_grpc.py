@@ -629,8 +629,8 @@ class WorkerControlStub:
                 _registered_method=True)
         self.FetchSnapshot = channel.unary_stream(
                 '/ultrascale.v1.WorkerControl/FetchSnapshot',
-                request_serializer=ultrascale_dot_v1_dot_agent__pb2.SnapshotRange.SerializeToString,
-                response_deserializer=ultrascale_dot_v1_dot_agent__pb2.SnapshotBytes.FromString,
+                request_serializer=ultrascale_dot_v1_dot_agent__pb2.SnapshotRanges.SerializeToString,
+                response_deserializer=ultrascale_dot_v1_dot_agent__pb2.SnapshotPiece.FromString,
                 _registered_method=True)
         self.ReportRestore = channel.unary_unary(
                 '/ultrascale.v1.WorkerControl/ReportRestore',
@@ -693,8 +693,9 @@ class WorkerControlServicer:
         raise NotImplementedError('Method not implemented!')
 
     def FetchSnapshot(self, request, context):
-        """Bytes of a file of an in-memory snapshot step, from this node's memory or, through the
-        agent, from a peer that holds it (docs/snapshots.md). Streamed in pieces of at most 4 MiB.
+        """Byte ranges of files of an in-memory snapshot step, from this node's memory or, through
+        the agent, from the peers that hold them: one ReadRanges call per holding peer
+        (docs/snapshots.md). Streamed in pieces of at most 1 MiB.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -743,8 +744,8 @@ def add_WorkerControlServicer_to_server(servicer, server):
             ),
             'FetchSnapshot': grpc.unary_stream_rpc_method_handler(
                     servicer.FetchSnapshot,
-                    request_deserializer=ultrascale_dot_v1_dot_agent__pb2.SnapshotRange.FromString,
-                    response_serializer=ultrascale_dot_v1_dot_agent__pb2.SnapshotBytes.SerializeToString,
+                    request_deserializer=ultrascale_dot_v1_dot_agent__pb2.SnapshotRanges.FromString,
+                    response_serializer=ultrascale_dot_v1_dot_agent__pb2.SnapshotPiece.SerializeToString,
             ),
             'ReportRestore': grpc.unary_unary_rpc_method_handler(
                     servicer.ReportRestore,
@@ -942,8 +943,8 @@ class WorkerControl:
             request,
             target,
             '/ultrascale.v1.WorkerControl/FetchSnapshot',
-            ultrascale_dot_v1_dot_agent__pb2.SnapshotRange.SerializeToString,
-            ultrascale_dot_v1_dot_agent__pb2.SnapshotBytes.FromString,
+            ultrascale_dot_v1_dot_agent__pb2.SnapshotRanges.SerializeToString,
+            ultrascale_dot_v1_dot_agent__pb2.SnapshotPiece.FromString,
             options,
             channel_credentials,
             insecure,
@@ -1002,10 +1003,10 @@ class SnapshotPeerStub:
                 request_serializer=ultrascale_dot_v1_dot_agent__pb2.FileChunk.SerializeToString,
                 response_deserializer=ultrascale_dot_v1_dot_agent__pb2.FileAck.FromString,
                 _registered_method=True)
-        self.ReadRange = channel.unary_stream(
-                '/ultrascale.v1.SnapshotPeer/ReadRange',
-                request_serializer=ultrascale_dot_v1_dot_agent__pb2.SnapshotRange.SerializeToString,
-                response_deserializer=ultrascale_dot_v1_dot_agent__pb2.SnapshotBytes.FromString,
+        self.ReadRanges = channel.unary_stream(
+                '/ultrascale.v1.SnapshotPeer/ReadRanges',
+                request_serializer=ultrascale_dot_v1_dot_agent__pb2.SnapshotRanges.SerializeToString,
+                response_deserializer=ultrascale_dot_v1_dot_agent__pb2.SnapshotPiece.FromString,
                 _registered_method=True)
         self.Holdings = channel.unary_unary(
                 '/ultrascale.v1.SnapshotPeer/Holdings',
@@ -1035,8 +1036,9 @@ class SnapshotPeerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
-    def ReadRange(self, request, context):
-        """Bytes of a file this agent holds (its own or a copy), in pieces of at most 4 MiB.
+    def ReadRanges(self, request, context):
+        """Byte ranges of files this agent holds (its own or copies), in pieces of at most 1 MiB,
+        in the order asked; NOT_FOUND when it does not hold one of them.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -1058,10 +1060,10 @@ def add_SnapshotPeerServicer_to_server(servicer, server):
                     request_deserializer=ultrascale_dot_v1_dot_agent__pb2.FileChunk.FromString,
                     response_serializer=ultrascale_dot_v1_dot_agent__pb2.FileAck.SerializeToString,
             ),
-            'ReadRange': grpc.unary_stream_rpc_method_handler(
-                    servicer.ReadRange,
-                    request_deserializer=ultrascale_dot_v1_dot_agent__pb2.SnapshotRange.FromString,
-                    response_serializer=ultrascale_dot_v1_dot_agent__pb2.SnapshotBytes.SerializeToString,
+            'ReadRanges': grpc.unary_stream_rpc_method_handler(
+                    servicer.ReadRanges,
+                    request_deserializer=ultrascale_dot_v1_dot_agent__pb2.SnapshotRanges.FromString,
+                    response_serializer=ultrascale_dot_v1_dot_agent__pb2.SnapshotPiece.SerializeToString,
             ),
             'Holdings': grpc.unary_unary_rpc_method_handler(
                     servicer.Holdings,
@@ -1113,7 +1115,7 @@ class SnapshotPeer:
             _registered_method=True)
 
     @staticmethod
-    def ReadRange(request,
+    def ReadRanges(request,
             target,
             options=(),
             channel_credentials=None,
@@ -1126,9 +1128,9 @@ class SnapshotPeer:
         return grpc.experimental.unary_stream(
             request,
             target,
-            '/ultrascale.v1.SnapshotPeer/ReadRange',
-            ultrascale_dot_v1_dot_agent__pb2.SnapshotRange.SerializeToString,
-            ultrascale_dot_v1_dot_agent__pb2.SnapshotBytes.FromString,
+            '/ultrascale.v1.SnapshotPeer/ReadRanges',
+            ultrascale_dot_v1_dot_agent__pb2.SnapshotRanges.SerializeToString,
+            ultrascale_dot_v1_dot_agent__pb2.SnapshotPiece.FromString,
             options,
             channel_credentials,
             insecure,
