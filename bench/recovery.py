@@ -29,6 +29,7 @@ Two more columns, ultrad arms only, say what no recovery here can go below:
                    so no survivor can see the death sooner (a torch process takes tens of ms).
   one step         the new world's first step alone (its `step_seconds`): a recovery ends with
                    one whole step of the new world.
+  ÷ floor          kill → first step over (victim exit + one step), per run, then the median.
 
 ultrad arms: `ultrad` restores from the in-memory snapshots (every step, replicated to a buddy
 node; docs/snapshots.md), `ultrad-disk` turns them off (`checkpoint.snapshot_every=0`) and
@@ -115,6 +116,13 @@ class Result:
     step: float | None = None  # the new world's first step alone (its step_seconds)
     extra: dict[str, Any] = field(default_factory=dict)
     error: str = ""
+
+    @property
+    def over_floor(self) -> float | None:
+        """kill → first step over the floor no recovery goes below (victim exit + one step)."""
+        if self.first_step is None or self.victim_exit is None or self.step is None:
+            return None
+        return self.first_step / (self.victim_exit + self.step)
 
 
 # -- shared ---------------------------------------------------------------------------------
@@ -544,7 +552,7 @@ def _fmt(x: float | None) -> str:
 def table(results: list[Result], arms: list[str]) -> str:
     med: dict[str, dict[str, float | None]] = {}
     rows = [["arm", "runs ok", "detect s", "re-rdzv s", "restore s", "kill→first step s",
-             "steps re-run", "victim exit s", "one step s", "first step / ultrad"]]
+             "steps re-run", "victim exit s", "one step s", "÷ floor", "first step / ultrad"]]
     for arm in arms:
         ok = [r for r in results if r.arm == arm and not r.error]
         med[arm] = {}
@@ -557,7 +565,10 @@ def table(results: list[Result], arms: list[str]) -> str:
         ok = sum(1 for r in results if r.arm == arm and not r.error)
         fs = med[arm]["first_step"]
         ratio = f"{fs / base:.1f}x" if fs is not None and base else "-"
-        rows.append([arm, f"{ok}/{n}", *(_fmt(med[arm][m]) for m in METRICS), ratio])
+        floors = [r.over_floor for r in results
+                  if r.arm == arm and not r.error and r.over_floor is not None]
+        floor = f"{statistics.median(floors):.2f}x" if floors else "-"
+        rows.append([arm, f"{ok}/{n}", *(_fmt(med[arm][m]) for m in METRICS), floor, ratio])
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows]
     lines.insert(1, "  ".join("-" * w for w in widths))
