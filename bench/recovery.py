@@ -3,7 +3,7 @@
     python -m bench.recovery [--runs 3]
         [--arms ultrad,ultrad-disk,ultrad-kill-leader,ultrad-kill-worker,torchrun-default,
                 torchrun-tuned]
-                             [--kill-step 8] [--workdir DIR] [--keep]
+                             [--kill-step 8] [--global-batch 10] [--workdir DIR] [--keep]
 
 Every arm trains the same small job (a 2-layer GQA Llama on a synthetic token file, global batch
 10, durable DCP checkpoints every 4 steps) on 3 "nodes" on loopback with one CPU worker each,
@@ -583,6 +583,9 @@ def main(argv: list[str] | None = None) -> int:
                                      "torchrun-default,torchrun-tuned",
                    help=f"comma-separated, from {','.join(ARMS)}")
     p.add_argument("--kill-step", type=int, default=8)
+    p.add_argument("--global-batch", type=int, default=GLOBAL_BATCH,
+                   help="samples per step: scales a step's compute (the floor's one step), "
+                        "not the state a recovery restores")
     p.add_argument("--workdir", default="", help="default: a temporary directory")
     p.add_argument("--keep", action="store_true", help="keep the work directory (logs)")
     p.add_argument("--torchrun-share-store", action="store_true",
@@ -597,7 +600,9 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"unknown arm(s) {unknown}" if unknown else "--runs must be >= 1")
     root = Path(args.workdir or tempfile.mkdtemp(prefix="bench-recovery-")).resolve()
     root.mkdir(parents=True, exist_ok=True)
-    job = write_job(root)
+    if args.global_batch < 1:
+        p.error("--global-batch must be >= 1")
+    job = write_job(root, args.global_batch)
     print(f"bench.recovery: work in {root}; {args.runs} run(s) of {', '.join(arms)}; "
           f"kill -9 of one of 3 nodes at about step {args.kill_step}; ultrad lease TTL {TTL}s",
           file=sys.stderr, flush=True)
