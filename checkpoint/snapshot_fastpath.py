@@ -15,10 +15,17 @@ once, `ResolvedTemplate` keeps:
   exactly the value DCP's state dict gave;
 - the RNG state, fetched fresh (it is a new tensor every time).
 
-Before every use it checks that every view still aliases a live tensor of the model or the
-optimizer; any change (a tensor replaced rather than updated, a new optimizer state) sends that
-rewrite down the full path, which builds a new one. Anything it cannot account for (a tensor
-item that aliases no live tensor, a byte item without a getter) means no fast path at all.
+Before every use it checks, in a few dictionary lookups per tensor and no walk of the model,
+that every live tensor the views alias is still where the build found it, reached the same way
+from the state (each module on its path, the optimizer's state dict and the tensor's own entry)
+and still starting at the same address. Any change (a module, parameter or optimizer state
+replaced rather than updated, a parameter given new memory) sends that rewrite down the full
+path, which builds a new one. Anything it cannot account for (a tensor item that aliases no
+live tensor, a byte item without a getter) means no fast path at all.
+
+What the step captures of the byte items is each distinct value once (the step counter, the
+consumed samples, each hyper-parameter of each parameter group); spreading them over the items
+(one per parameter and hyper-parameter in DCP's flattened state dict) happens off the step.
 """
 
 from __future__ import annotations
@@ -26,13 +33,12 @@ from __future__ import annotations
 import math
 import pickle
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch.distributed.tensor import DTensor
 
-from checkpoint.snapshot_format import slot
 from checkpoint.state import TrainState
 
 _MODEL = "state.model."  # dcp.save({"state": TrainState}) prefixes every key with "state."
@@ -40,13 +46,17 @@ _PARAM_GROUPS = "state.optim.param_groups."
 _RNG = "state.rng"
 _PROGRESS = {"state.progress.step": lambda s: s.progress.step,
              "state.progress.consumed_samples": lambda s: s.progress.consumed_samples}
+_MISSING = object()
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    # The local tensor itself, not `to_local()`: that is an autograd function, and this runs
+    # for every watched tensor at every snapshot.
+    return t._local_tensor if isinstance(t, DTensor) else t  # noqa: SLF001
 
 
 def _storage(t: torch.Tensor) -> int:
-    # The local tensor itself, not `to_local()`: that is an autograd function, and this runs
-    # for every state tensor at every snapshot (it was most of a rewrite's lookup cost).
-    local = t._local_tensor if isinstance(t, DTensor) else t  # noqa: SLF001
-    return int(local.untyped_storage().data_ptr())
+    return int(_local(t).untyped_storage().data_ptr())
 
 
 def tensor_as_bytes(data: torch.Tensor) -> torch.Tensor:
@@ -58,31 +68,103 @@ def tensor_as_bytes(data: torch.Tensor) -> torch.Tensor:
     return dense.reshape(-1).view(torch.uint8)
 
 
-def live_storages(state: TrainState) -> frozenset[int]:
-    """The memory of every parameter, buffer and optimizer state tensor, as it is now.
+@dataclass(frozen=True)
+class Link:
+    """One step of the way from the state to a live tensor: `owner[key] is value` (a dict
+    entry, or a list position for parameter groups)."""
 
-    Read from each module's own parameter and buffer dicts (what `parameters()` and
-    `buffers()` walk, without their generators: this runs at every snapshot)."""
-    tensors = [t for module in state.model.modules()
-               for t in (*module._parameters.values(), *module._buffers.values())  # noqa: SLF001
-               if t is not None]
-    for per_param in state.optimizer.state.values():
-        tensors += [v for v in per_param.values() if isinstance(v, torch.Tensor)]
-    return frozenset(_storage(t) for t in tensors)
+    owner: dict[Any, Any] | list[Any]
+    key: Any
+    value: Any
+
+    def check(self) -> tuple[Callable[[Any, Any], Any], Any, Any]:
+        """(lookup, key, value): this link holds while `lookup(key, _MISSING) is value`."""
+        owner = self.owner
+        if isinstance(owner, list):
+            return (lambda key, missing: owner[key] if key < len(owner) else missing,
+                    self.key, self.value)
+        return owner.get, self.key, self.value  # `get`: a defaultdict stays as it is
 
 
 @dataclass(frozen=True)
-class Capture:
-    """What a rewrite reads from the state on the step, in the order it needs it: each byte
-    item's template index and value getter, and each non-empty tensor item's bytes (a view of
-    the live tensor's memory, or for the RNG state and non-contiguous tensors, a source to
-    convert at every use)."""
+class Watch:
+    """A live tensor the views alias, as the build found it: its local memory starts at
+    `address`."""
 
-    getters: tuple[tuple[int, Callable[[], Any]], ...]
+    tensor: torch.Tensor
+    address: int
+
+
+def _live(state: TrainState) -> dict[int, tuple[tuple[Link, ...], Watch]]:
+    """Every parameter, buffer and optimizer state tensor by its storage: the links that reach
+    it from `state` and its memory. The first way found wins (a tied weight has several)."""
+    found: dict[int, tuple[tuple[Link, ...], Watch]] = {}
+
+    def add(tensor: torch.Tensor, links: tuple[Link, ...]) -> None:
+        ptr = _storage(tensor)
+        if ptr not in found:
+            found[ptr] = (links, Watch(tensor, _local(tensor).data_ptr()))
+
+    def walk(module: torch.nn.Module, links: tuple[Link, ...]) -> None:
+        for table in (module._parameters, module._buffers):  # noqa: SLF001
+            for name, tensor in table.items():
+                if tensor is not None:
+                    add(tensor, (*links, Link(table, name, tensor)))
+        for name, child in module._modules.items():  # noqa: SLF001
+            if child is not None:
+                walk(child, (*links, Link(module._modules, name, child)))  # noqa: SLF001
+
+    walk(state.model, (Link(vars(state), "model", state.model),))
+    optimizer = state.optimizer
+    root = (Link(vars(state), "optimizer", optimizer),
+            Link(vars(optimizer), "state", optimizer.state))
+    for parameter, per_param in optimizer.state.items():
+        for key, value in per_param.items():
+            if isinstance(value, torch.Tensor):
+                add(value, (*root, Link(optimizer.state, parameter, per_param),
+                            Link(per_param, key, value)))
+    return found
+
+
+@dataclass(frozen=True)
+class ByteValues:
+    """The byte items' values as a step captured them: `values[j]` is the value of each
+    template item in `holders[j]`."""
+
+    values: tuple[Any, ...]
+    holders: tuple[tuple[int, ...], ...]
+
+    @staticmethod
+    def of(by_index: dict[int, Any]) -> ByteValues:
+        """One value per item (the full lookup's)."""
+        return ByteValues(tuple(by_index.values()), tuple((index,) for index in by_index))
+
+
+@dataclass(frozen=True)
+class ResolvedTemplate:
+    """A rewrite's payload sources (see the module docstring), for a template whose items have
+    fixed lengths."""
+
+    # Every step of every watched tensor's way, each once, as `Link.check`s.
+    links: tuple[tuple[Callable[[Any, Any], Any], Any, Any], ...]
+    sharded: tuple[tuple[DTensor, int], ...]  # each watched DTensor and its local address
+    plain: tuple[tuple[torch.Tensor, int], ...]  # each other watched tensor and its address
+    reads: tuple[Callable[[], Any], ...]  # each distinct byte value's getter
+    holders: tuple[tuple[int, ...], ...]  # holders[j]: the template items read j gives
+    # Each non-empty tensor item, in template order: a flat uint8 view of the live tensor's own
+    # memory (contiguous tensors), which reads its values at every use, or else None and the
+    # source to convert at every use (the RNG state's getter, a non-contiguous tensor).
     tensors: tuple[tuple[torch.Tensor | None, Callable[[], torch.Tensor] | torch.Tensor], ...]
 
-    def values(self) -> dict[int, Any]:
-        return {index: get() for index, get in self.getters}
+    def usable(self) -> bool:
+        """Whether every watched tensor is still where the build found it (module docstring)."""
+        return (all(lookup(key, _MISSING) is value for lookup, key, value in self.links)
+                and all(t._local_tensor.data_ptr() == address  # noqa: SLF001
+                        for t, address in self.sharded)
+                and all(t.data_ptr() == address for t, address in self.plain))
+
+    def values(self) -> ByteValues:
+        return ByteValues(tuple(read() for read in self.reads), self.holders)
 
     def tensor_bytes(self) -> list[torch.Tensor]:
         return [view if view is not None
@@ -90,84 +172,51 @@ class Capture:
                 for view, source in self.tensors]
 
 
-@dataclass(frozen=True)
-class ResolvedTemplate:
-    """A rewrite's payload sources (see the module docstring), in template order."""
-
-    sources: tuple[Callable[[], torch.Tensor | Any] | torch.Tensor, ...]
-    is_bytes: tuple[bool, ...]
-    storages: frozenset[int]  # what the views alias
-    # Each tensor item's bytes as a flat uint8 view of the live tensor's own memory (contiguous
-    # tensors), which reads its values at every use: copied as they are, with no per-item
-    # conversion. None: converted each time (a byte item, the RNG state, a non-contiguous one).
-    views: tuple[torch.Tensor | None, ...] = ()
-    # Byte item index -> (its value, its slot) as last written: a value that did not change
-    # (hyper-parameters, mostly) is not pickled again.
-    slots: dict[int, tuple[Any, bytes]] = field(default_factory=dict, compare=False, repr=False)
-    # The capture of the template's items with these lengths (`capture`), made on first use.
-    _captures: dict[tuple[int, ...], Capture] = field(
-        default_factory=dict, compare=False, repr=False)
-
-    def slotted(self, index: int, value: Any, length: int) -> bytes:
-        """Byte item `index`'s slot of `length` bytes holding `value` (ValueError: too big)."""
-        last = self.slots.get(index)
-        if last is not None and _same(last[0], value):
-            return last[1]
-        raw = slot(pickle.dumps(value), length)
-        self.slots[index] = (value, raw)
-        return raw
-
-    def usable(self, state: TrainState) -> bool:
-        return self.storages <= live_storages(state)
-
-    def capture(self, lengths: tuple[int, ...]) -> Capture:
-        """What a rewrite of the template whose items have `lengths` reads (empty tensor
-        items have nothing to copy), worked out once."""
-        found = self._captures.get(lengths)
-        if found is None:
-            items = list(zip(self.sources, self.is_bytes, self.views, lengths, strict=True))
-            found = Capture(
-                getters=tuple((index, source) for index, (source, is_bytes, _, _)
-                              in enumerate(items) if is_bytes),
-                tensors=tuple((view, source) for source, is_bytes, view, length in items
-                              if not is_bytes and length))
-            self._captures[lengths] = found
-        return found
-
-
-def build(state: TrainState, flat: dict[str, Any], items: list[tuple[Any, Any, bool]]
+def build(state: TrainState, flat: dict[str, Any], items: list[tuple[Any, Any, bool, int]]
           ) -> ResolvedTemplate | None:
     """From a full rewrite's resolution: `flat` is the planner's flattened state dict and
-    `items` each (WriteItem, its tensor or a byte item's value, is a byte item). None: no fast
-    path."""
-    live = live_storages(state)
+    `items` each (WriteItem, its tensor or a byte item's value, is a byte item, its length in
+    the shard). None: no fast path."""
+    live = _live(state)
     groups = _groups_by_parameter_storage(state)
-    sources: list[Callable[[], Any] | torch.Tensor] = []
-    is_bytes: list[bool] = []
-    views: list[memoryview | None] = []
-    aliased: set[int] = set()
-    for item, data, byte_item in items:
+    links: dict[tuple[int, Any], Link] = {}
+    watches: dict[int, Watch] = {}
+    reads: dict[Any, int] = {}  # a distinct byte value's key -> its index in `getters`
+    getters: list[Callable[[], Any]] = []
+    holders: list[list[int]] = []
+    tensors: list[tuple[torch.Tensor | None, Callable[[], torch.Tensor] | torch.Tensor]] = []
+    for index, (item, data, byte_item, length) in enumerate(items):
         fqn = item.index.fqn
         if byte_item:
-            getter = _byte_getter(state, flat, groups, fqn)
-            if getter is None or pickle.dumps(getter()) != pickle.dumps(data):
+            found = _byte_getter(state, flat, groups, fqn)
+            if found is None or pickle.dumps(found[1]()) != pickle.dumps(data):
                 return None
-            sources.append(getter)
-            is_bytes.append(True)
-            views.append(None)
+            key, getter, way = found
+            if key not in reads:
+                reads[key] = len(getters)
+                getters.append(getter)
+                holders.append([])
+                links.update(((id(link.owner), link.key), link) for link in way)
+            holders[reads[key]].append(index)
         elif fqn == _RNG:
-            sources.append(torch.get_rng_state)
-            is_bytes.append(False)
-            views.append(None)
+            if length:
+                tensors.append((None, torch.get_rng_state))
         else:
             ptr = _storage(data)
             if ptr not in live:
                 return None  # a copy DCP made: its values would never change again
-            aliased.add(ptr)
-            sources.append(data)
-            is_bytes.append(False)
-            views.append(_memory_of(data))
-    return ResolvedTemplate(tuple(sources), tuple(is_bytes), frozenset(aliased), tuple(views))
+            way, watch = live[ptr]
+            if not length:
+                continue
+            links.update(((id(link.owner), link.key), link) for link in way)
+            watches[ptr] = watch
+            tensors.append((_memory_of(data), data))
+    watched = [(w.tensor, w.address) for w in watches.values()]
+    return ResolvedTemplate(
+        links=tuple(link.check() for link in links.values()),
+        sharded=tuple((t, a) for t, a in watched if isinstance(t, DTensor)),
+        plain=tuple((t, a) for t, a in watched if not isinstance(t, DTensor)),
+        reads=tuple(getters), holders=tuple(map(tuple, holders)), tensors=tuple(tensors))
 
 
 def _memory_of(data: torch.Tensor) -> torch.Tensor | None:
@@ -178,7 +227,7 @@ def _memory_of(data: torch.Tensor) -> torch.Tensor | None:
     return data.detach().reshape(-1).view(torch.uint8)
 
 
-def _same(a: Any, b: Any) -> bool:
+def same(a: Any, b: Any) -> bool:
     """Whether `a` and `b` are the same immutable value, down to its pickle: -0.0 is not 0.0,
     1 is not 1.0 or True, NaN is never the same, and a mutable value (which may have changed
     in place) is never the same either."""
@@ -187,20 +236,22 @@ def _same(a: Any, b: Any) -> bool:
     if isinstance(a, float):
         return a == b and math.copysign(1.0, a) == math.copysign(1.0, b)
     if isinstance(a, tuple):
-        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b, strict=True))
+        return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b, strict=True))
     return isinstance(a, int | str | bytes | type(None)) and a == b
 
 
-def _groups_by_parameter_storage(state: TrainState) -> dict[int, dict[str, Any]]:
-    return {_storage(p): group for group in state.optimizer.param_groups
+def _groups_by_parameter_storage(state: TrainState) -> dict[int, int]:
+    """Each parameter's storage -> the index of its group in the optimizer's param_groups."""
+    return {_storage(p): i for i, group in enumerate(state.optimizer.param_groups)
             for p in group["params"]}
 
 
-def _byte_getter(state: TrainState, flat: dict[str, Any], groups: dict[int, dict[str, Any]],
-                 fqn: str) -> Callable[[], Any] | None:
+def _byte_getter(state: TrainState, flat: dict[str, Any], groups: dict[int, int], fqn: str
+                 ) -> tuple[Any, Callable[[], Any], tuple[Link, ...]] | None:
+    """Byte item `fqn`'s (key of its distinct value, getter, links the getter relies on)."""
     if fqn in _PROGRESS:
         read = _PROGRESS[fqn]
-        return lambda: read(state)
+        return fqn, lambda: read(state), ()
     if not fqn.startswith(_PARAM_GROUPS):
         return None
     # "state.optim.param_groups.<parameter fqn>.<hyper-parameter>"; no hyper-parameter name
@@ -209,7 +260,14 @@ def _byte_getter(state: TrainState, flat: dict[str, Any], groups: dict[int, dict
     tensor = flat.get(_MODEL + parameter)
     if not isinstance(tensor, torch.Tensor):
         return None
-    group = groups.get(_storage(tensor))
-    if group is None or key not in group:
+    index = groups.get(_storage(tensor))
+    if index is None:
         return None
-    return lambda: group[key]
+    optimizer = state.optimizer
+    group = optimizer.param_groups[index]
+    if key not in group:
+        return None
+    way = (Link(vars(state), "optimizer", optimizer),
+           Link(vars(optimizer), "param_groups", optimizer.param_groups),
+           Link(optimizer.param_groups, index, group))
+    return ("group", index, key), lambda: group[key], way

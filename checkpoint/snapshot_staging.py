@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from checkpoint.snapshot_fastpath import ResolvedTemplate
+from checkpoint.snapshot_fastpath import ByteValues, ResolvedTemplate, same
 from checkpoint.snapshot_format import (
     FileEntry,
     chunk_checksums,
@@ -67,6 +67,7 @@ class HostStaging:
                              for i in tensor_items]
         self.stream = torch.cuda.Stream(device) if accelerated else None
         self.copied: torch.cuda.Event | None = None  # the last stage's copies, on `stream`
+        self.held: ByteValues | None = None  # what the byte items' slots hold (None: unknown)
 
     def memory(self) -> memoryview:
         return memoryview(self.buffer.numpy())
@@ -96,6 +97,22 @@ class HostStaging:
             self.copied = torch.cuda.Event()
             self.copied.record(self.stream)
 
+    def put_values(self, values: ByteValues) -> None:
+        """Pickle each byte value into the slots of the items that hold it, except a value
+        the same as the one its slots already hold (`snapshot_fastpath.same`: the same items
+        and the same immutable value). ValueError: a value outgrew its slot."""
+        last, self.held = self.held, None  # if this fails half-way, the slots are unknown
+        unchanged = last is not None and last.holders is values.holders
+        memory, items = self.memory(), self.items
+        for j, value in enumerate(values.values):
+            if unchanged and same(last.values[j], value):
+                continue
+            raw = pickle.dumps(value)
+            for index in values.holders[j]:
+                _, offset, length = items[index]
+                memory[offset:offset + length] = slot(raw, length)
+        self.held = values
+
     def wait(self) -> None:
         """Block until the last stage's copies are in the buffer."""
         if self.copied is not None:
@@ -105,12 +122,12 @@ class HostStaging:
 @dataclasses.dataclass
 class StagedShard:
     """A rewrite whose tensors are copied (or being copied) into `staging`: what is left to
-    write. `values` holds each byte item's value, captured when staged."""
+    write. `values` holds the byte items' values, captured when staged."""
 
     directory: Path
     rank: int
     step: int
-    values: dict[int, Any]  # byte item index -> its value
+    values: ByteValues
     staging: HostStaging
     resolved: ResolvedTemplate | None
     finish_coordinator: Callable[[], None] | None  # writes .metadata and the manifest
@@ -124,13 +141,8 @@ class StagedShard:
         shard or its record missing, so the step cannot be assembled."""
         started = time.perf_counter()
         self.staging.wait()
+        self.staging.put_values(self.values)
         memory = self.staging.memory()
-        items = self.staging.items
-        for index, value in self.values.items():
-            _, offset, length = items[index]
-            raw = self.resolved.slotted(index, value, length) if self.resolved is not None \
-                else slot(pickle.dumps(value), length)
-            memory[offset:offset + length] = raw
         private_dirs(self.directory.parent, self.directory)
         name = shard_name(self.rank)
         fd = create_private_file(self.directory / name)  # O_EXCL, as a full save's shard

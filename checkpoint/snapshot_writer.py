@@ -371,10 +371,8 @@ def stage_rewrite(
     next rewrite may use (None: no fast path for this state).
     """
     started = time.perf_counter()
-    lengths = tuple(length for _, _, length in template.items)
-    if resolved is not None and resolved.usable(state):
-        capture = resolved.capture(lengths)
-        values, tensors = capture.values(), capture.tensor_bytes()
+    if resolved is not None and resolved.usable():
+        values, tensors = resolved.values(), resolved.tensor_bytes()
     else:
         planner = DefaultSavePlanner()
         planner.set_up_planner({"state": state.state_dict()}, None, coordinator is not None)
@@ -382,11 +380,12 @@ def stage_rewrite(
                    if item.type == WriteItemType.BYTE_IO else (planner.resolve_data(item), False)
                    for item, _, _ in template.items]
         resolved = fastpath.build(state, planner.state_dict, [
-            (item, data, is_bytes) for (item, _, _), (data, is_bytes)
+            (item, data, is_bytes, length) for (item, _, length), (data, is_bytes)
             in zip(template.items, sources, strict=True)])
-        values = {index: data for index, (data, is_bytes) in enumerate(sources) if is_bytes}
-        tensors = [fastpath.tensor_as_bytes(data) for (data, is_bytes), length
-                   in zip(sources, lengths, strict=True) if not is_bytes and length]
+        values = fastpath.ByteValues.of(
+            {index: data for index, (data, is_bytes) in enumerate(sources) if is_bytes})
+        tensors = [fastpath.tensor_as_bytes(data) for (data, is_bytes), (_, _, length)
+                   in zip(sources, template.items, strict=True) if not is_bytes and length]
     if staging is None:
         staging = staging_for(state, template)
     staging.copy(tensors)

@@ -4,6 +4,7 @@ replaced instead of updated. One process, no process group (DCP's single-process
 
 from __future__ import annotations
 
+import copy
 import json
 import pickle
 from pathlib import Path
@@ -12,7 +13,9 @@ import pytest
 import torch
 from torch import nn
 
+from checkpoint.snapshot_fastpath import ByteValues
 from checkpoint.snapshot_format import chunk_checksums, record_name, shard_name, slot, step_dir
+from checkpoint.snapshot_staging import HostStaging
 from checkpoint.snapshot_writer import rewrite_snapshot, save_snapshot
 from checkpoint.state import Progress, TrainState
 
@@ -72,6 +75,55 @@ def test_fast_path_writes_what_the_full_lookup_writes(shm: Path):
     assert fast == full and writer.resolved is not resolved and writer.resolved is not None
 
 
+def _new_memory(state: TrainState) -> None:
+    weight = state.model[0].weight
+    weight.data = weight.data.clone()  # the same parameter object, other memory
+
+
+def _optimizer_reloaded(state: TrainState) -> None:
+    state.optimizer.load_state_dict(state.optimizer.state_dict())  # new state tensors
+
+
+def _groups_replaced(state: TrainState) -> None:
+    state.optimizer.param_groups = [dict(g, lr=0.003) for g in state.optimizer.param_groups]
+
+
+def _module_replaced(state: TrainState) -> None:
+    old = state.model[2]
+    new = copy.deepcopy(old)
+    state.model[2] = new
+    for before, after in zip(old.parameters(), new.parameters(), strict=True):
+        params = state.optimizer.param_groups[0]["params"]
+        params[next(i for i, p in enumerate(params) if p is before)] = after
+        state.optimizer.state[after] = state.optimizer.state.pop(before)
+
+
+@pytest.mark.parametrize("change", [_new_memory, _optimizer_reloaded, _groups_replaced,
+                                    _module_replaced])
+def test_the_fast_path_steps_aside_when_the_state_is_rebuilt_not_updated(shm: Path, change):
+    """Each way a tensor or a hyper-parameter can leave the place the fast path reads it from
+    is noticed before a rewrite uses it; that rewrite writes what the full lookup writes."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    state = TrainState(model, torch.optim.AdamW(model.parameters(), lr=0.01), Progress())
+    _train(state)
+    first = save_snapshot(state, shm / "a", layout={})
+    template, coordinator = first.template, first.coordinator
+    _train(state)
+    resolved = rewrite_snapshot(state, shm / "b", template, coordinator, layout={}).resolved
+    assert resolved is not None and resolved.usable()
+    change(state)
+    assert not resolved.usable()
+    _train(state)
+    fast = rewrite_snapshot(state, shm / "c", template, coordinator, layout={},
+                            resolved=resolved)
+    rewrite_snapshot(state, shm / "c-full", template, coordinator, layout={})
+    step = state.progress.step
+    assert _shard(shm / "c", step) == _shard(shm / "c-full", step)
+    assert fast.resolved is not resolved and fast.resolved is not None
+    assert fast.resolved.usable()
+
+
 def test_chunk_checksums_of_pieces_match_the_whole_file():
     import random
 
@@ -115,18 +167,49 @@ def test_a_shard_is_written_whole_across_short_writes_and_iov_max(shm: Path, mon
     assert max(calls) <= 16 and len(calls) >= sum(map(len, pieces)) // 100
 
 
-def test_a_byte_item_is_pickled_again_unless_the_same_immutable_value():
-    from checkpoint.snapshot_fastpath import ResolvedTemplate
+def _byte_staging(lengths: list[int]) -> HostStaging:
+    offsets = [sum(lengths[:i]) for i in range(len(lengths))]
+    return HostStaging(tuple((None, o, n) for o, n in zip(offsets, lengths, strict=True)),
+                       sum(lengths), [], torch.device("cpu"))
 
-    t = ResolvedTemplate((), (), frozenset())
-    first = t.slotted(0, (0.9, 0.999), 64)
-    assert t.slotted(0, (0.9, 0.999), 64) is first  # equal immutable value: the same slot
-    # Values that compare equal but pickle differently, and a value changed in place: new.
-    for before, after in ((0.0, -0.0), (1, 1.0), (1, True), (float("nan"), float("nan"))):
-        t.slots.clear()
-        t.slotted(1, before, 64)
-        assert t.slotted(1, after, 64) == slot(pickle.dumps(after), 64)
+
+def _slot_of(staging: HostStaging, index: int) -> bytes:
+    _, offset, length = staging.items[index]
+    return bytes(staging.memory()[offset:offset + length])
+
+
+def test_a_byte_value_is_pickled_into_its_slots_again_unless_the_same_immutable_value():
+    staging = _byte_staging([64, 64, 64])
+    holders = ((0, 2), (1,))  # value 0 goes to items 0 and 2, value 1 to item 1
+    staging.put_values(ByteValues((0.5, (0.9, 0.999)), holders))
+    assert [_slot_of(staging, i) for i in range(3)] == [
+        slot(pickle.dumps(0.5), 64), slot(pickle.dumps((0.9, 0.999)), 64),
+        slot(pickle.dumps(0.5), 64)]
+
+    def scribble() -> None:  # marks every slot, to see which ones a put writes again
+        staging.memory()[:] = b"\xff" * len(staging.memory())
+
+    scribble()
+    staging.put_values(ByteValues((0.5, (0.9, 0.999)), holders))  # the same: nothing written
+    assert _slot_of(staging, 0) == _slot_of(staging, 1) == b"\xff" * 64
+    # Values that compare equal but pickle differently, and a value changed in place: written.
     box = [1]
-    t.slotted(2, box, 64)
-    box.append(2)
-    assert t.slotted(2, box, 64) == slot(pickle.dumps([1, 2]), 64)
+    for before, after in ((0.0, -0.0), (1, 1.0), (1, True), (float("nan"), float("nan")),
+                          (box, box)):
+        staging.put_values(ByteValues((before, 7), holders))
+        if after is box:
+            box.append(2)
+        scribble()
+        staging.put_values(ByteValues((after, 7), holders))
+        assert _slot_of(staging, 0) == _slot_of(staging, 2) == slot(pickle.dumps(after), 64)
+        assert _slot_of(staging, 1) == b"\xff" * 64
+    # Another layout of values over the items (a new fast path, the full lookup): all written.
+    scribble()
+    staging.put_values(ByteValues((1, 7), tuple(list(holders))))  # equal, not the same
+    assert b"\xff" * 64 not in [_slot_of(staging, i) for i in range(3)]
+    # A value that outgrows its slot fails the put; the next one writes every slot again.
+    with pytest.raises(ValueError):
+        staging.put_values(ByteValues((1, "x" * 100), holders))
+    scribble()
+    staging.put_values(ByteValues((1, 7), holders))
+    assert b"\xff" * 64 not in [_slot_of(staging, i) for i in range(3)]
