@@ -17,7 +17,6 @@ import time
 from daemon import __version__
 from daemon.api.admin_service import job_state
 from daemon.api.advertise import worker_network_env
-from daemon.api.metrics import Metrics
 from daemon.api.servers import AgentIO
 from daemon.config import AgentConfig
 from daemon.control.election import Election
@@ -40,15 +39,16 @@ from daemon.control.records import (
 from daemon.control.requests import put_until_acknowledged
 from daemon.control.store_host import StoreHost
 from daemon.control.view import ClusterView
+from daemon.metrics import Metrics
 from daemon.node.progress import ProgressWriter
 from daemon.node.snapshot_files import check_room
 from daemon.node.snapshot_keeper import SnapshotKeeper
 from daemon.node.supervisor import Supervisor, WorkerExit
 from daemon.node.watchdog import HangDetector, Watchdog
+from daemon.node.worker_reports import WorkerReports
 from daemon.recovery_phases import RecoveryPhases
 from daemon.state import AgentState, StateMachine
 from daemon.tasks import Backoff, TaskSupervisor
-from daemon.worker_reports import WorkerReports
 from parallel.job import FaultConfig
 from parallel.planner import Plan
 

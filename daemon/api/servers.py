@@ -20,18 +20,19 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
+from prometheus_client import start_http_server
 
 from daemon.api import advertise
 from daemon.api.admin_service import AdminService
 from daemon.api.auth import BearerTokenInterceptor, load_or_create_token
 from daemon.api.grpc_limits import MESSAGE_OPTIONS, SERVER_OPTIONS
-from daemon.api.metrics import Metrics, serve
 from daemon.api.probes import agent_probes, start_probe_server
 from daemon.api.replication_streams import ReplicationStreams
 from daemon.api.snapshot_service import SnapshotPeerService
 from daemon.config import AgentConfig
 from daemon.control.etcd_client import parse_endpoints
 from daemon.control.records import SnapshotHoldings
+from daemon.metrics import Metrics
 from daemon.node.snapshot_files import Incoming
 from daemon.node.worker_service import WorkerControlService
 from daemon.tls_files import client_credentials
@@ -70,7 +71,9 @@ class AgentIO:
             advertise.choose, cfg.listen.rpartition(":")[0], cfg.advertise_host,
             parse_endpoints(cfg.etcd))
         listen_host, _, port = cfg.metrics_listen.rpartition(":")
-        self._metrics_server = serve(self.metrics, listen_host, int(port))
+        # /metrics in a daemon thread of its own; `.shutdown()` stops it.
+        self._metrics_server, _ = start_http_server(int(port), addr=listen_host,
+                                                    registry=self.metrics.registry)
         metrics_host = self.advertised_host if advertise.is_wildcard(listen_host) \
             else listen_host.strip("[]")
         metrics_port = self._metrics_server.server_port

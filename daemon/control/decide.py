@@ -1,6 +1,7 @@
-"""The leader's decisions: a pure function of (a snapshot of the cluster view, the job, the time).
+"""The leader's decisions: a pure function of `ClusterFacts` (the cluster view, the job, the
+time, as of one moment).
 
-`decide(snapshot)` returns the actions the leader should take and when to look again; the
+`decide(facts)` returns the actions the leader should take and when to look again; the
 leader (leader.py) performs them with fenced writes. Nothing here touches etcd, the network or
 a clock, so every rule below is unit-tested in milliseconds (tests/unit/test_decide.py).
 
@@ -31,6 +32,18 @@ from collections.abc import Mapping
 
 from daemon.control.cancel import cancel_step
 from daemon.control.crash_loop import crash_loop_verdict, retry_delay
+from daemon.control.facts import (
+    Action,
+    ClusterFacts,
+    ConsumeRequests,
+    CordonNodes,
+    Decision,
+    MemberInfo,
+    ProbeNodes,
+    SetDirective,
+    SetStatus,
+    StartGeneration,
+)
 from daemon.control.records import (
     ENDED,
     IMPLICATING,
@@ -44,18 +57,6 @@ from daemon.control.records import (
     JobStatus,
     NodeState,
 )
-from daemon.control.snapshot import (
-    Action,
-    ConsumeRequests,
-    CordonNodes,
-    Decision,
-    MemberInfo,
-    ProbeNodes,
-    SetDirective,
-    SetStatus,
-    Snapshot,
-    StartGeneration,
-)
 from daemon.control.snapshot_steps import newest_assemblable, step_horizon
 from parallel.job import FaultConfig, JobConfig
 from parallel.planner import NodeInfo, Plan, PlanError, plan_generation
@@ -68,16 +69,16 @@ def boundary_timeout(fault: FaultConfig) -> float:
     return fault.join_timeout_s + fault.restore_timeout_s + fault.first_step_timeout_s
 
 
-def decide(s: Snapshot) -> Decision:
+def decide(s: ClusterFacts) -> Decision:
     if s.job is None:
         return Decision()
     return _Decider(s).run()
 
 
 class _Decider:
-    """One decision; a class only to share the snapshot between small steps."""
+    """One decision; a class only to share the facts between small steps."""
 
-    def __init__(self, s: Snapshot) -> None:
+    def __init__(self, s: ClusterFacts) -> None:
         assert s.job is not None
         self.s = s
         self.job: JobConfig = s.job

@@ -21,10 +21,9 @@ from typing import Any
 from daemon.control.decide import decide
 from daemon.control.election import Election, FencedConflict, NotLeader
 from daemon.control.etcd_client import ETCD_ERRORS, Etcd
-from daemon.control.keys import Keys
-from daemon.control.records import ControlOp, SnapshotHoldings
-from daemon.control.snapshot import (
+from daemon.control.facts import (
     Action,
+    ClusterFacts,
     ConsumeRequests,
     CordonNodes,
     MemberInfo,
@@ -32,9 +31,10 @@ from daemon.control.snapshot import (
     ProbeResult,
     SetDirective,
     SetStatus,
-    Snapshot,
     StartGeneration,
 )
+from daemon.control.keys import Keys
+from daemon.control.records import ControlOp, SnapshotHoldings
 from daemon.control.store_host import StoreHost
 from daemon.control.view import ClusterView
 from daemon.tasks import Backoff
@@ -144,14 +144,14 @@ class Leader:
                     log.warning("the view did not reach revision %d in %ss; deciding on it "
                                 "as it is", self._written, self.ttl)
                     self._written = 0
-                decision = decide(self.snapshot())
+                decision = decide(self.facts())
                 asked = self._take_asked()
                 if self.ask_holdings is not None and any(
                         isinstance(a, StartGeneration) for a in decision.actions):
                     # Agents publish their holdings at most twice a second: the restore is
                     # planned on what every member holds now.
                     held = await asked if asked is not None else await self._holdings_now()
-                    decision = decide(self.snapshot(held))
+                    decision = decide(self.facts(held))
                 elif asked is not None:
                     asked.cancel()
                 probes = [a for a in decision.actions if isinstance(a, ProbeNodes)]
@@ -262,7 +262,7 @@ class Leader:
             self._job = (raw, job_from_view(view))
         return self._job[1]
 
-    def snapshot(self, holdings: dict[str, SnapshotHoldings] | None = None) -> Snapshot:
+    def facts(self, holdings: dict[str, SnapshotHoldings] | None = None) -> ClusterFacts:
         view, now = self.view, time.time()
         plan = view.plan
         members = {name: MemberInfo(m.record.devices, m.record.state, m.record.device_memory)
@@ -275,7 +275,7 @@ class Leader:
                 self._probes.pop(node, None)
         for node in missing:
             self._missing_since.setdefault(node, now)
-        return Snapshot(
+        return ClusterFacts(
             now=now, ttl=self.ttl, job=self._job_of(view),
             spec_revision=view.spec.mod_revision if view.spec else 0, members=members,
             cordons=dict(view.cordons), plan=plan, progress=view.progress,

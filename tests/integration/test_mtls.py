@@ -14,11 +14,11 @@ from pathlib import Path
 
 import pytest
 
-from daemon.api.metrics import Metrics
 from daemon.api.servers import AgentIO
 from daemon.cli.ctlconfig import Context, save_context
 from daemon.config import AgentConfig, TLSConfig
 from daemon.control.etcd_server import EtcdServer
+from daemon.metrics import Metrics
 from tests.integration.conftest import ROOT, Cluster, _cluster
 from tests.pki import Pair, make_ca
 

@@ -26,6 +26,10 @@ FORBIDDEN = {
     # torchrun's rendezvous backend: etcd and the key schema only, no agent
     "daemon.rendezvous": ("daemon.node", "daemon.api", "daemon.cli", "daemon.agent"),
 }
+# Modules every layer may import (metrics, and the records they observe): they import nothing
+# of the daemon but each other and the package itself (its version).
+BOTTOM = ("daemon.metrics", "daemon.expert_metrics", "daemon.control.records",
+          "daemon.recovery_phases")
 
 
 def module_name(path: Path) -> str:
@@ -139,6 +143,15 @@ def test_daemon_layers_only_import_downwards() -> None:
         for layer, banned in FORBIDDEN.items() if is_under(src, layer)
         for dst in targets if any(is_under(dst, b) for b in banned))
     assert not violations, "layer violations:\n" + "\n".join(violations)
+
+
+def test_the_bottom_imports_nothing_above_it() -> None:
+    graph = daemon_graph()
+    assert "daemon.control.records" in graph["daemon.metrics"]  # the graph sees it
+    above = sorted(f"{src} -> {dst}" for src in BOTTOM for dst in graph[src]
+                   if dst not in {*BOTTOM, "daemon"})
+    assert not above, "the bottom imports upwards:\n" + "\n".join(above)
+    assert not graph["daemon"], graph["daemon"]
 
 
 def test_libraries_do_not_import_the_daemon() -> None:

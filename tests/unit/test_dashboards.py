@@ -10,7 +10,7 @@ import yaml
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from daemon.api.metrics import Metrics
+from daemon.metrics import Metrics
 from parallel.job import loads
 from parallel.planner import NodeInfo, plan_generation
 from proto.ultrascale.v1 import agent_pb2 as pb

@@ -11,6 +11,19 @@ import pytest
 
 from daemon.control.crash_loop import retry_delay
 from daemon.control.decide import boundary_timeout, decide
+from daemon.control.facts import (
+    Action,
+    ClusterFacts,
+    ConsumeRequests,
+    CordonNodes,
+    Decision,
+    MemberInfo,
+    ProbeNodes,
+    ProbeResult,
+    SetDirective,
+    SetStatus,
+    StartGeneration,
+)
 from daemon.control.records import (
     CheckpointRecord,
     ControlOp,
@@ -23,19 +36,6 @@ from daemon.control.records import (
     JobStatus,
     NodeState,
     Progress,
-)
-from daemon.control.snapshot import (
-    Action,
-    ConsumeRequests,
-    CordonNodes,
-    Decision,
-    MemberInfo,
-    ProbeNodes,
-    ProbeResult,
-    SetDirective,
-    SetStatus,
-    Snapshot,
-    StartGeneration,
 )
 from parallel import job as jobmod
 from parallel.planner import NodeInfo, Plan, plan_generation
@@ -61,7 +61,7 @@ def make_plan(nodes: Sequence[str], generation: int = 1,
 
 def snap(plan_nodes: Sequence[str] | None = ("a", "b", "c"), *,
          members: Iterable[str] | Mapping[str, MemberInfo] = ("a", "b", "c"),
-         generation: int = 1, step: int = 42, **changes: Any) -> Snapshot:
+         generation: int = 1, step: int = 42, **changes: Any) -> ClusterFacts:
     """A healthy running generation on `plan_nodes`, modified by `changes`."""
     plan = make_plan(plan_nodes, generation) if plan_nodes is not None else None
     member_map = dict(members) if isinstance(members, Mapping) else \
@@ -73,7 +73,7 @@ def snap(plan_nodes: Sequence[str] | None = ("a", "b", "c"), *,
         status=JobStatus(state=JobState.RUNNING, spec_revision=REV, time=NOW - 500)
         if plan else JobStatus(spec_revision=REV))
     base.update(changes)
-    return Snapshot(**base)
+    return ClusterFacts(**base)
 
 
 def only(decision: Decision, kind: type[A]) -> A:
@@ -361,7 +361,7 @@ def streak(count: int, *, nodes: tuple[str, ...] = (), steps: Sequence[int] | No
                  for g in range(1, count + 1))
 
 
-def crash_snap(failures: tuple[FailureRecord, ...], **changes: Any) -> Snapshot:
+def crash_snap(failures: tuple[FailureRecord, ...], **changes: Any) -> ClusterFacts:
     gen = failures[-1].generation
     return snap(generation=gen, step=failures[-1].step, status=failed_status(*failures),
                 **changes)

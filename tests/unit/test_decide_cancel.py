@@ -7,6 +7,7 @@ import dataclasses
 import pytest
 
 from daemon.control.decide import boundary_timeout, decide
+from daemon.control.facts import ClusterFacts, ConsumeRequests, SetDirective, SetStatus
 from daemon.control.records import (
     CheckpointRecord,
     ControlOp,
@@ -16,7 +17,6 @@ from daemon.control.records import (
     JobStatus,
     Progress,
 )
-from daemon.control.snapshot import ConsumeRequests, SetDirective, SetStatus, Snapshot
 from tests.unit.test_decide import CKPT, FAULT, NOW, REV, failure_req, kinds, none_of, only, snap
 
 pytestmark = pytest.mark.unit
@@ -144,4 +144,4 @@ def test_status_and_request_records_round_trip() -> None:
     assert JobStatus.from_json(status.to_json()) == status
     req = cancel_req()
     assert ControlRequest.from_json(req.to_json()) == req
-    assert Snapshot(now=0, ttl=1, job=None).status.cancelling is False
+    assert ClusterFacts(now=0, ttl=1, job=None).status.cancelling is False

@@ -13,9 +13,9 @@ import pytest
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from daemon.api.metrics import Metrics
 from daemon.control.keys import Keys
 from daemon.control.records import Progress
+from daemon.metrics import Metrics
 from parallel.job import MAX, ConfigError, DataSource, EvalConfig, loads
 from parallel.job_paths import set_paths
 from proto.ultrascale.v1 import agent_pb2 as pb

@@ -8,8 +8,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from daemon.api.expert_metrics import MAX_EXPERT_SERIES
-from daemon.api.metrics import Metrics
+from daemon.expert_metrics import MAX_EXPERT_SERIES
+from daemon.metrics import Metrics
 from parallel.job import loads
 from proto.ultrascale.v1 import agent_pb2 as pb
 from tests.unit.test_telemetry import _samples

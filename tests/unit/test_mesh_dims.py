@@ -10,7 +10,7 @@ import importlib.util
 import pytest
 from prometheus_client import generate_latest
 
-from daemon.api.metrics import Metrics
+from daemon.metrics import Metrics
 from parallel import mesh_dims
 from parallel.job import REPLAN_DIMS, ConfigError, ParallelConfig
 from parallel.layout import Layout

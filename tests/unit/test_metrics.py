@@ -9,8 +9,8 @@ import pytest
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from daemon.api.metrics import MEMORY_KINDS, Metrics
 from daemon.control.records import CheckpointRecord, JobState, Progress
+from daemon.metrics import MEMORY_KINDS, Metrics
 from daemon.recovery_phases import Recovery
 from parallel.job import loads
 from parallel.memory_model import peak_memory

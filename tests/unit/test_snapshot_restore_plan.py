@@ -8,8 +8,8 @@ import dataclasses
 import pytest
 
 from daemon.control.decide import decide
+from daemon.control.facts import ProbeResult, StartGeneration
 from daemon.control.records import HeldStep, SnapshotHoldings
-from daemon.control.snapshot import ProbeResult, StartGeneration
 from daemon.control.snapshot_steps import newest_assemblable, newest_complete
 from parallel.planner import Plan
 from tests.unit.test_decide import NOW, REV, only, snap

@@ -15,10 +15,10 @@ from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from daemon.api.events import render
-from daemon.api.metrics import Metrics
 from daemon.control.etcd_client import PUT
 from daemon.control.keys import Keys
 from daemon.control.records import Progress
+from daemon.metrics import Metrics
 from parallel.cost_model import flops_per_token
 from parallel.job import ConfigError, loads
 from proto.ultrascale.v1 import agent_pb2 as pb

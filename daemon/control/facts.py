@@ -1,4 +1,5 @@
-"""What the leader's decision function reads (`Snapshot`) and returns (`Decision`, actions).
+"""What the leader's decision function reads (`ClusterFacts`: the cluster view, the job and
+the time, as of one moment) and returns (`Decision`, actions).
 
 Plain frozen data, so decisions are compared and tested as values (decide.py).
 """
@@ -37,7 +38,7 @@ class ProbeResult:
 
 
 @dataclass(frozen=True)
-class Snapshot:
+class ClusterFacts:
     """What the leader knows at `now` (its own wall clock)."""
 
     now: float

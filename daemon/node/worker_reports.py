@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import time
 
-from daemon.api.metrics import Metrics
 from daemon.control.records import RestoreRecord
 from daemon.control.snapshot_steps import newest_complete
 from daemon.control.view import ClusterView
+from daemon.metrics import Metrics
 from daemon.node.progress import ProgressWriter
 from daemon.node.snapshot_keeper import SnapshotKeeper
 from daemon.node.watchdog import HangDetector

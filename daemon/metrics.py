@@ -1,4 +1,9 @@
-"""The agent's Prometheus metrics, in a registry of its own, served on --metrics-listen.
+"""The agent's Prometheus metrics, in a registry of its own (served on --metrics-listen by
+daemon/api/servers.py).
+
+At the bottom of the daemon: every layer may import it, and it imports only the records it
+observes (daemon/control/records.py, daemon/recovery_phases.py), which import nothing of the
+daemon.
 
 Names and labels are listed in the README's metrics table. Training metrics count the job's
 global progress as seen by this node's local rank 0 (every rank reports the same global loss and token count),
@@ -12,7 +17,6 @@ from __future__ import annotations
 import math
 import platform
 from dataclasses import dataclass, field
-from wsgiref.simple_server import WSGIServer
 
 from prometheus_client import (
     CollectorRegistry,
@@ -21,12 +25,11 @@ from prometheus_client import (
     Histogram,
     Info,
     ProcessCollector,
-    start_http_server,
 )
 
 from daemon import __version__
-from daemon.api.expert_metrics import ExpertMetrics
 from daemon.control.records import CheckpointRecord, JobState, Progress, RestoreRecord
+from daemon.expert_metrics import ExpertMetrics
 from daemon.recovery_phases import PHASES, Recovery
 from parallel import mesh_dims
 from parallel.planner import Plan
@@ -245,8 +248,3 @@ class Metrics:
         self.snapshot_bytes.set(held_bytes)
         self.snapshot_age.set(step - newest_whole if newest_whole >= 0 else -1)
 
-
-def serve(metrics: Metrics, host: str, port: int) -> WSGIServer:
-    """Serve /metrics in a daemon thread; returns the server (call `.shutdown()` to stop)."""
-    server, _thread = start_http_server(port, addr=host, registry=metrics.registry)
-    return server
