@@ -258,7 +258,7 @@ class _Host:
             return
         self._reported.add(d.generation)
         self.events.append(("stop_reported", d.generation, now))
-        agent.on_done(pb.DoneReport(generation=d.generation, global_rank=0, local_rank=0,
+        agent.node.on_done(pb.DoneReport(generation=d.generation, global_rank=0, local_rank=0,
                                     step=0, stopped=True))
 
     def _simulate_peer_failure(self, generation: int) -> float | None:
@@ -272,7 +272,7 @@ class _Host:
             if plan is None or plan.generation != generation or not plan.ranks_of(name):
                 continue
             now = time.monotonic()
-            agent.on_worker_failure(0, generation, FailureKind.PEER, 0,
+            agent.node.on_worker_failure(0, generation, FailureKind.PEER, 0,
                                     "simulated: a collective failed (Connection reset by peer)")
             return now
         return None
@@ -286,7 +286,7 @@ class _Host:
             plan = agent.view.plan
             if plan is None or plan.generation != generation or plan.ranks[0].node != name:
                 continue
-            agent.on_step(pb.StepReport(generation=generation, global_rank=0, local_rank=0,
+            agent.node.on_step(pb.StepReport(generation=generation, global_rank=0, local_rank=0,
                                         step=1, loss=5.0, tokens=4096, consumed_samples=4096,
                                         step_seconds=0.1, world_size=plan.world_size,
                                         dp=plan.layout.dp))

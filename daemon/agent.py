@@ -15,47 +15,40 @@ import os
 import time
 
 from daemon import __version__
-from daemon.api.admin_service import job_state
 from daemon.api.advertise import worker_network_env
 from daemon.api.servers import AgentIO
 from daemon.config import AgentConfig
 from daemon.control.election import Election
 from daemon.control.etcd_client import ETCD_ERRORS, Etcd
+from daemon.control.failure_reports import FailureReports
+from daemon.control.job_state import job_state
 from daemon.control.job_submit import offer_job_file
 from daemon.control.keys import Keys
 from daemon.control.leader import Leader
-from daemon.control.leader_failover import revoke_dead_leader
 from daemon.control.membership import Membership
 from daemon.control.outage import outage_check, publish_etcd_health
 from daemon.control.peer_key import PeerKeys
 from daemon.control.records import (
     ControlOp,
-    ControlRequest,
     FailureKind,
-    JobState,
     NodeRecord,
     NodeState,
 )
-from daemon.control.requests import put_until_acknowledged
 from daemon.control.store_host import StoreHost
 from daemon.control.view import ClusterView
 from daemon.metrics import Metrics
 from daemon.node.progress import ProgressWriter
 from daemon.node.snapshot_files import check_room
 from daemon.node.snapshot_keeper import SnapshotKeeper
-from daemon.node.supervisor import Supervisor, WorkerExit
-from daemon.node.watchdog import HangDetector, Watchdog
-from daemon.node.worker_reports import WorkerReports
+from daemon.node.workers import NodeWorkers
 from daemon.recovery_phases import RecoveryPhases
 from daemon.state import AgentState, StateMachine
 from daemon.tasks import Backoff, TaskSupervisor
-from parallel.job import FaultConfig
-from parallel.planner import Plan
 
 log = logging.getLogger(__name__)
 
 
-class Agent(WorkerReports):
+class Agent:
     def __init__(self, config: AgentConfig) -> None:
         self.config = config
         self.node_id = config.node_id
@@ -72,22 +65,19 @@ class Agent(WorkerReports):
         self.stopping = asyncio.Event()
         self.membership: Membership | None = None
         self.leader: Leader | None = None
-        self.supervisor: Supervisor | None = None
         self.progress = ProgressWriter(self.etcd, self.keys, self.view)
-        self.hangs = HangDetector()
         self._follow = asyncio.Event()
         self._seen_generation = 0
         self.recovery = RecoveryPhases()  # the recovery in progress, if any, split in phases
-        # local ranks killed as hung: why, the generation they hung in, their stacks
-        self._hung: dict[int, tuple[str, int, str]] = {}
-        # The newest generation a local worker failed in: it is broken, never hand it out again.
-        self.broken_generation = 0
-        self._leader_checked = 0  # the newest generation a failure made us check the leader in
         self.peer_keys = PeerKeys(self.etcd, self.keys, self.view)
         self.snapshots = SnapshotKeeper.for_agent(
             config, self.view, self.etcd, self.keys, self.io.put_snapshot_file, self._lease,
             self.metrics.observe_snapshots, self.peer_keys.current)
-        self.read_peer_snapshot = self.io.read_snapshot
+        self.failures = FailureReports(self.node_id, self.etcd, self.keys, self.view, self.tasks,
+                                       self.stopping, self.io.probe)
+        self.node = NodeWorkers(config, self.view, self.metrics, self.progress, self.recovery,
+                                self.snapshots, self.failures, self.io.read_snapshot,
+                                self._draining, self.stopping, self.tasks)
 
     # -- lifecycle -----------------------------------------------------------------------------
 
@@ -96,17 +86,12 @@ class Agent(WorkerReports):
         cfg.state_dir.mkdir(parents=True, exist_ok=True)
         if self.snapshots is not None:
             self.snapshots.clear()  # what a previous run left is no one's to restore from
-        await self.io.start(self)
+        await self.io.start(self, self.node)
         self.leader = Leader(self.etcd, self.keys, self.view, self.election,
                              StoreHost(self.io.advertised_host), cfg.ttl, cfg.debounce_s,
                              self.io.probe, self.io.snapshot_holdings)
-        if cfg.workers:
-            self.supervisor = Supervisor(self.node_id, self.io.socket_path,
-                                         cfg.state_dir / "logs", self._on_worker_exit,
-                                         cfg.worker_module, extra_env=worker_network_env(
-                                             self.io.advertised_host, dict(os.environ))
-                                         | SnapshotKeeper.env(self.snapshots),
-                                         standby=cfg.standby_worker)
+        watchdog = self.node.start(self.io.socket_path, worker_network_env(
+            self.io.advertised_host, dict(os.environ)) | SnapshotKeeper.env(self.snapshots))
         record = NodeRecord(self.node_id, self.io.address, self.io.metrics_url, cfg.devices,
                             pid=self.io.pid, version=__version__, device_memory=cfg.device_memory)
         self.membership = Membership(self.etcd, self.keys, record, cfg.ttl, self._on_fenced,
@@ -133,10 +118,8 @@ class Agent(WorkerReports):
         if cfg.job_file is not None:
             spawn(offer_job_file(self.etcd, self.keys, cfg.job_file, cfg.ttl, cfg.job_roots),
                   "job-file", long_lived=False)
-        if self.supervisor is not None:
-            spawn(Watchdog(self.hangs, self._fault, self._kill_hung,
-                           lambda: self.view.generation, cfg.ttl,
-                           stopped=self.supervisor.stopped).run(), "watchdog")
+        if watchdog is not None:
+            spawn(watchdog.run(), "watchdog")
         self.io.write_agent_file(self.node_id)
         log.info("agent %s up: grpc %s, metrics %s, %d device(s), etcd %s, job namespace %s",
                  self.node_id, self.io.address, self.io.metrics_url, cfg.devices, cfg.etcd,
@@ -159,8 +142,7 @@ class Agent(WorkerReports):
         Safe after a partial start and when called twice."""
         self.stopping.set()
         self.tasks.closing()
-        if self.supervisor is not None:
-            await self.supervisor.stop(grace=self.config.ttl)
+        await self.node.stop(grace=self.config.ttl)
         if self.membership is not None:
             await self.membership.leave()
         await self.tasks.close()
@@ -183,9 +165,9 @@ class Agent(WorkerReports):
     def _lease(self) -> int:
         return self.membership.lease_id if self.membership is not None else 0
 
-    def _fault(self) -> FaultConfig:
-        plan = self.view.plan
-        return plan.job.fault if plan is not None else FaultConfig()
+    def _draining(self) -> bool:
+        m = self.membership
+        return m is not None and m.record.state == NodeState.DRAINING
 
     # -- leadership ------------------------------------------------------------------------------
 
@@ -217,19 +199,17 @@ class Agent(WorkerReports):
         self.metrics.is_leader.set(0)
         self.state.to(AgentState.JOINING, f"fenced: {reason}")
         self._seen_generation = 0
-        # The world our workers were in is broken: never hand it to a fresh worker again.
-        self.broken_generation = max(self.broken_generation, self.view.generation)
+        self.node.fenced()  # the world our workers were in is broken: never hand it out again
         plan, progress = self.view.plan, self.view.progress
         if plan is not None and self.node_id in plan.nodes:
             # Re-joining within the leader's debounce, our key only blinks: without a report
             # the leader keeps a generation this node no longer runs, and the others wait out
             # join_timeout_s. Delivered once we are back (or dropped when g is replaced).
             g = plan.generation
-            self._report_failure(f"failure-{self.node_id}-{g}-fenced", g, FailureKind.LOST,
+            self.failures.report(f"failure-{self.node_id}-{g}-fenced", g, FailureKind.LOST,
                                  progress.step if progress.generation == g else -1,
                                  f"{self.node_id} fenced itself: {reason}")
-        if self.supervisor is not None:
-            await self.supervisor.kill_all()
+        await self.node.kill_all()
 
     async def _outage_check(self) -> str | None:
         return await outage_check(self.io, [(name, m.record.address)
@@ -264,7 +244,8 @@ class Agent(WorkerReports):
         assert self.membership is not None
         plan, record = self.view.plan, self.membership.record
         in_plan = plan is not None and self.node_id in plan.nodes
-        if plan is not None and plan.generation != self._seen_generation:
+        new = plan is not None and plan.generation != self._seen_generation
+        if plan is not None and new:
             self._seen_generation = plan.generation
             self.metrics.observe_plan(plan, self.view.progress)
             if in_plan:
@@ -273,10 +254,7 @@ class Agent(WorkerReports):
                     predicted = plan.predicted.snapshot_host_bytes
                     self.metrics.observe_snapshot_room(predicted, check_room(
                         self.snapshots.root, self.snapshots.bytes_held, predicted))
-                if self.supervisor is not None:
-                    await self._ensure_workers(plan)
-        if self.supervisor is not None:
-            await self._standby(plan if in_plan else None)
+        await self.node.follow(new_generation=new and in_plan)
         if record.state == NodeState.DRAINING:
             self.state.to(AgentState.DRAINING, "drain requested")
         elif in_plan:
@@ -284,27 +262,6 @@ class Agent(WorkerReports):
         else:
             self.state.to(AgentState.WAITING, "not in the current generation"
                           if plan is not None else "no generation yet")
-
-    async def _standby(self, plan: Plan | None) -> None:
-        """Keep a standby worker while this node trains in a job that goes on and the agent
-        is neither stopping nor draining; start it once the generation trains (not while its
-        workers start, restore and import torch, nor while a failure is being recovered
-        from)."""
-        assert self.supervisor is not None
-        progress, member = self.view.progress, self.membership
-        leaving = self.stopping.is_set() or (member is not None
-                                             and member.record.state == NodeState.DRAINING)
-        if plan is None or leaving or self._job_over():
-            await self.supervisor.drop_standby()
-        elif progress.generation == plan.generation and progress.step > plan.restore.step \
-                and self.broken_generation < plan.generation:
-            await self.supervisor.keep_standby()
-
-    def _job_over(self) -> bool:
-        view, plan = self.view, self.view.plan
-        return job_state(view)[0] in (JobState.FAILED, JobState.CANCELLED) or (
-            plan is not None and view.progress.finished
-            and view.progress.generation == plan.generation)
 
     async def _apply_node_requests(self) -> None:
         """Apply drain/cordon/uncordon requests that name this node, then consume them."""
@@ -324,77 +281,3 @@ class Agent(WorkerReports):
                 log.warning("could not apply %s: %s", request_id, exc)
                 self._follow.set()
                 return
-
-    async def _ensure_workers(self, plan: Plan) -> None:
-        assert self.supervisor is not None
-        started = await self.supervisor.ensure(r.local_rank for r in plan.ranks_of(self.node_id))
-        now = time.monotonic()
-        for rank in started:
-            self.hangs.started(rank, now)
-
-    def worker_should_exit(self, local_rank: int) -> bool:
-        if self.stopping.is_set() or local_rank >= self.devices:
-            return True
-        if self._job_over():
-            return True
-        plan = self.view.plan
-        membership = self.membership
-        draining = membership is not None and membership.record.state == NodeState.DRAINING
-        return draining and (plan is None or self.node_id not in plan.nodes)
-
-    # -- worker reports ---------------------------------------------------------------------------
-
-    def on_worker_failure(self, local_rank: int, generation: int, kind: FailureKind, step: int,
-                          message: str, detect_s: float = 0.0, stacks: str = "") -> None:
-        self.recovery.failed(generation, time.monotonic(), detect_s)
-        self.broken_generation = max(self.broken_generation, generation)
-        log.error("worker local_rank=%d failed in generation %d (%s): %s", local_rank,
-                  generation, kind.value, message[:500])
-        self._report_failure(f"failure-{self.node_id}-{generation}-{local_rank}", generation,
-                             kind, step, message, stacks)
-        if kind == FailureKind.PEER and self._leader_checked < generation:
-            self._leader_checked = generation  # once per broken generation
-            self.tasks.spawn(revoke_dead_leader(self.view, self.etcd, self.keys, self.io.probe,
-                                                self.node_id), "leader-check", long_lived=False)
-
-    def _report_failure(self, request_id: str, generation: int, kind: FailureKind, step: int,
-                        message: str, stacks: str = "") -> None:
-        request = ControlRequest(op=ControlOp.FAILURE, node=self.node_id, generation=generation,
-                                 kind=kind, step=step, message=message[:2000], time=time.time(),
-                                 stacks=stacks[-4096:])
-        self.tasks.spawn(put_until_acknowledged(
-            self.etcd, self.keys.control_request(request_id), request,
-            lambda: self.view.generation <= generation and not self.stopping.is_set()),
-            f"report-{request_id}", long_lived=False)
-
-    def _on_worker_exit(self, exit_: WorkerExit) -> None:
-        self.hangs.forget(exit_.local_rank)
-        hung = self._hung.pop(exit_.local_rank, None)
-        if exit_.expected and hung is None:
-            return
-        generation, stacks = self.view.generation, ""
-        if hung is not None:
-            kind, (message, hung_in, stacks) = FailureKind.HANG, hung
-            # A worker stuck in a generation that was already replaced fails that one, not the
-            # current one (whose world waits for this local rank's fresh worker).
-            generation = min(generation, hung_in) if hung_in else generation
-        else:
-            kind = FailureKind.EXIT
-            message = f"worker local_rank={exit_.local_rank} exited with {exit_.returncode}" \
-                      + (f": {exit_.error}" if exit_.error else "")
-        progress = self.view.progress
-        step = progress.step if progress.generation == generation else -1
-        self.on_worker_failure(exit_.local_rank, generation, kind, step, message, stacks=stacks)
-        plan = self.view.plan
-        if plan is not None and self.node_id in plan.nodes and self.supervisor is not None:
-            # Replace it at once: the next generation will want this local rank again.
-            self.tasks.spawn(self._ensure_workers(plan), f"respawn-{exit_.local_rank}",
-                             long_lived=False)
-
-    async def _kill_hung(self, local_rank: int, reason: str, generation: int) -> None:
-        # Asking takes a bounded wait; None: the worker exited meanwhile (reported as an exit).
-        stacks = await self.supervisor.ask_stacks(local_rank) if self.supervisor else None
-        if stacks is not None and self.supervisor is not None:
-            self._hung[local_rank] = (f"worker local_rank={local_rank} hung: {reason}",
-                                      generation, stacks)
-            await self.supervisor.stop([local_rank], grace=0)

@@ -103,7 +103,7 @@ class Service:
         without a drain would lose the steps since the last checkpoint."""
         a = self.agent
         view, plan, p = a.view, a.view.plan, a.view.progress
-        return a.supervisor is not None and bool(a.supervisor.alive()) \
+        return a.node.supervisor is not None and bool(a.node.supervisor.alive()) \
             and plan is not None and a.node_id in plan.nodes \
             and p.generation == plan.generation and not (p.finished or p.stopped) \
             and view.status.state not in _ENDED

@@ -11,9 +11,9 @@ import grpc
 
 from daemon.api import job_lifecycle, worker_log_service
 from daemon.api.events import history
-from daemon.api.job_state import job_state
 from daemon.config import AgentConfig
 from daemon.control.etcd_client import Etcd
+from daemon.control.job_state import job_state
 from daemon.control.job_submit import prepare_spec, write_spec
 from daemon.control.keys import Keys
 from daemon.control.records import ENDED, ControlOp, ControlRequest, JobState, NodeState

@@ -8,8 +8,8 @@ import uuid
 
 import grpc
 
-from daemon.api.job_state import job_state
 from daemon.control.etcd_client import Etcd
+from daemon.control.job_state import job_state
 from daemon.control.keys import Keys
 from daemon.control.records import ENDED, ControlOp, ControlRequest, JobState
 from daemon.control.view import ClusterView

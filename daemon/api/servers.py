@@ -34,7 +34,7 @@ from daemon.control.etcd_client import parse_endpoints
 from daemon.control.records import SnapshotHoldings
 from daemon.metrics import Metrics
 from daemon.node.snapshot_files import Incoming
-from daemon.node.worker_service import WorkerControlService
+from daemon.node.worker_service import WorkerControlService, WorkerHost
 from daemon.tls_files import client_credentials
 from proto.ultrascale.v1 import agent_pb2 as pb
 from proto.ultrascale.v1 import agent_pb2_grpc as pb_grpc
@@ -64,7 +64,8 @@ class AgentIO:
         self._peer_secret: Any = lambda: ""
         self._replication = ReplicationStreams(self._peer, self._peer_metadata)
 
-    async def start(self, host: Any) -> None:
+    async def start(self, host: Any, node: WorkerHost) -> None:
+        """`host`: the agent (admin service, probes); `node`: this node's workers."""
         cfg = self.config
         self.token, _ = load_or_create_token(cfg.token_file, cfg.state_dir)
         self.advertised_host = await asyncio.to_thread(
@@ -104,7 +105,7 @@ class AgentIO:
         self.socket_path = _socket_path(cfg.state_dir)
         self.socket_path.unlink(missing_ok=True)
         workers = grpc.aio.server(options=MESSAGE_OPTIONS)
-        pb_grpc.add_WorkerControlServicer_to_server(WorkerControlService(host), workers)
+        pb_grpc.add_WorkerControlServicer_to_server(WorkerControlService(node), workers)
         workers.add_insecure_port(f"unix:{self.socket_path}")
         self._servers.append(workers)
         await workers.start()

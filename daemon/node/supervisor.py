@@ -97,12 +97,12 @@ class Supervisor:
         w = self._standby
         return w.proc.pid if w is not None and w.proc.returncode is None else None
 
-    async def ensure(self, local_ranks: Iterable[int]) -> list[int]:
-        """Give each local rank that has no worker one: the standby, else a new process.
-        Returns the ranks given one."""
+    async def ensure(self, local_ranks: Iterable[int], adopt: int | None = None) -> list[int]:
+        """Give each local rank that has no worker one: `adopt` the standby (if it is still
+        there), the others a new process. Returns the ranks given one."""
         started = []
         for rank in sorted(set(local_ranks) - set(self.alive())):
-            if not await self._adopt(rank):
+            if rank != adopt or not await self._adopt(rank):
                 await self._spawn(rank)
             started.append(rank)
         return started

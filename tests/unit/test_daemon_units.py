@@ -187,7 +187,7 @@ def test_standby_worker_takes_a_dead_workers_rank(tmp_path: Path) -> None:
         await until(lambda: "waiting" in (logs / "worker-standby.log").read_text(), "standby")
         await sup.keep_standby()
         assert sup.standby_pid() == standby  # one at a time
-        assert await sup.ensure([0]) == [0]
+        assert await sup.ensure([0], adopt=0) == [0]
         assert sup.alive() == {0: standby} and sup.standby_pid() is None
         # It runs as rank 0 (which this script makes exit 5): a failure of rank 0.
         await until(lambda: exits, "rank 0's exit")
@@ -196,7 +196,7 @@ def test_standby_worker_takes_a_dead_workers_rank(tmp_path: Path) -> None:
         assert f"rank 0 {logs / 'worker-0.error.json'}" in text
         # No standby now: a new process for rank 0; then a new standby, which stop() ends.
         sup.extra_env.pop("DIE")
-        assert await sup.ensure([0]) == [0] and sup.alive()[0] != standby
+        assert await sup.ensure([0], adopt=0) == [0] and sup.alive()[0] != standby
         await sup.keep_standby()
         second = sup.standby_pid()
         assert second not in (None, standby)
