@@ -15,7 +15,9 @@ import os
 import time
 
 from daemon import __version__
+from daemon.api.admin_service import AdminContext
 from daemon.api.advertise import worker_network_env
+from daemon.api.probes import agent_probes
 from daemon.api.servers import AgentIO
 from daemon.config import AgentConfig
 from daemon.control.election import Election
@@ -25,11 +27,12 @@ from daemon.control.job_state import job_state
 from daemon.control.job_submit import offer_job_file
 from daemon.control.keys import Keys
 from daemon.control.leader import Leader
+from daemon.control.leadership import lead_when_elected
 from daemon.control.membership import Membership
+from daemon.control.node_requests import apply_node_requests
 from daemon.control.outage import outage_check, publish_etcd_health
 from daemon.control.peer_key import PeerKeys
 from daemon.control.records import (
-    ControlOp,
     FailureKind,
     NodeRecord,
     NodeState,
@@ -43,7 +46,7 @@ from daemon.node.snapshot_keeper import SnapshotKeeper
 from daemon.node.workers import NodeWorkers
 from daemon.recovery_phases import RecoveryPhases
 from daemon.state import AgentState, StateMachine
-from daemon.tasks import Backoff, TaskSupervisor
+from daemon.tasks import TaskSupervisor
 
 log = logging.getLogger(__name__)
 
@@ -71,7 +74,8 @@ class Agent:
         self.recovery = RecoveryPhases()  # the recovery in progress, if any, split in phases
         self.peer_keys = PeerKeys(self.etcd, self.keys, self.view)
         self.snapshots = SnapshotKeeper.for_agent(
-            config, self.view, self.etcd, self.keys, self.io.put_snapshot_file, self._lease,
+            config, self.view, self.etcd, self.keys, self.io.put_snapshot_file,
+            lambda: self.membership.lease_id if self.membership is not None else 0,
             self.metrics.observe_snapshots, self.peer_keys.current)
         self.failures = FailureReports(self.node_id, self.etcd, self.keys, self.view, self.tasks,
                                        self.stopping, self.io.probe)
@@ -86,7 +90,11 @@ class Agent:
         cfg.state_dir.mkdir(parents=True, exist_ok=True)
         if self.snapshots is not None:
             self.snapshots.clear()  # what a previous run left is no one's to restore from
-        await self.io.start(self, self.node)
+        admin = AdminContext(self.node_id, cfg, self.view, self.etcd, self.keys, self.state)
+        probes = agent_probes(self.node_id, self.view, self.tasks, self.stopping,
+                              lambda: self.membership is not None
+                              and self.membership.joined.is_set())
+        await self.io.start(admin, probes, self.node, self.snapshots, self.peer_keys.secret)
         self.leader = Leader(self.etcd, self.keys, self.view, self.election,
                              StoreHost(self.io.advertised_host), cfg.ttl, cfg.debounce_s,
                              self.io.probe, self.io.snapshot_holdings)
@@ -94,8 +102,12 @@ class Agent:
             self.io.advertised_host, dict(os.environ)) | SnapshotKeeper.env(self.snapshots))
         record = NodeRecord(self.node_id, self.io.address, self.io.metrics_url, cfg.devices,
                             pid=self.io.pid, version=__version__, device_memory=cfg.device_memory)
-        self.membership = Membership(self.etcd, self.keys, record, cfg.ttl, self._on_fenced,
-                                     self._outage_check, cfg.etcd_outage_s)
+        self.membership = Membership(
+            self.etcd, self.keys, record, cfg.ttl, self._on_fenced,
+            lambda: outage_check(self.io, [(name, m.record.address)
+                                           for name, m in self.view.nodes.items()
+                                           if name != self.node_id]),
+            cfg.etcd_outage_s)
         self.view.subscribe(self._on_view)
         await self.etcd.connect()
         spawn = self.tasks.spawn
@@ -106,7 +118,9 @@ class Agent:
         spawn(self.view.run(), "view")
         spawn(self.peer_keys.run(), "peer-key")
         spawn(self.membership.run(), "membership")
-        spawn(self._leadership(), "leadership")
+        spawn(lead_when_elected(self.node_id, self.membership, self.view, self.election,
+                                self.leader, cfg.ttl, lambda on: self.metrics.is_leader.set(int(on))),
+              "leadership")
         spawn(self._follower(), "follower")
         spawn(self.progress.run(), "progress")
         if self.snapshots is not None:
@@ -154,45 +168,9 @@ class Agent:
         with contextlib.suppress(*ETCD_ERRORS):
             await self.etcd.close()
 
-    @property
-    def agent_state(self) -> str:
-        return self.state.state.value
-
-    @property
-    def ttl(self) -> float:
-        return float(self.config.ttl)
-
-    def _lease(self) -> int:
-        return self.membership.lease_id if self.membership is not None else 0
-
     def _draining(self) -> bool:
         m = self.membership
         return m is not None and m.record.state == NodeState.DRAINING
-
-    # -- leadership ------------------------------------------------------------------------------
-
-    async def _leadership(self) -> None:
-        assert self.membership is not None and self.leader is not None
-        backoff = Backoff(initial=0.1, maximum=self.config.ttl / 2)
-        while True:
-            await self.membership.joined.wait()
-            await self.view.synced.wait()
-            if self.view.leader is None or self.view.leader[0] == self.node_id:
-                try:
-                    won = await self.election.campaign(self.membership.lease_id)
-                except ETCD_ERRORS:
-                    await backoff.sleep()
-                    continue
-                backoff.reset()
-                if won:
-                    self.metrics.is_leader.set(1)
-                    try:
-                        await self.leader.lead()
-                    finally:
-                        self.election.drop("stopped leading")
-                        self.metrics.is_leader.set(0)
-                    continue
-            await self.view.wait_for(lambda: self.view.leader is None, timeout=self.config.ttl)
 
     async def _on_fenced(self, reason: str) -> None:
         self.election.drop(f"fenced: {reason}")
@@ -210,11 +188,6 @@ class Agent:
                                  progress.step if progress.generation == g else -1,
                                  f"{self.node_id} fenced itself: {reason}")
         await self.node.kill_all()
-
-    async def _outage_check(self) -> str | None:
-        return await outage_check(self.io, [(name, m.record.address)
-                                            for name, m in self.view.nodes.items()
-                                            if name != self.node_id])
 
     # -- generations ----------------------------------------------------------------------------
 
@@ -237,7 +210,8 @@ class Agent:
             m = self.membership
             if m is None or not m.joined.is_set():
                 continue
-            await self._apply_node_requests()
+            if not await apply_node_requests(self.node_id, self.view, m, self.etcd, self.keys):
+                self._follow.set()  # etcd failed: again at the next pass
             await self._follow_generation()
 
     async def _follow_generation(self) -> None:
@@ -262,22 +236,3 @@ class Agent:
         else:
             self.state.to(AgentState.WAITING, "not in the current generation"
                           if plan is not None else "no generation yet")
-
-    async def _apply_node_requests(self) -> None:
-        """Apply drain/cordon/uncordon requests that name this node, then consume them."""
-        assert self.membership is not None
-        for request_id, request in list(self.view.control.items()):
-            if request.node != self.node_id or not request.op.node_op:
-                continue
-            state = request.op.node_state
-            try:
-                if self.membership.record.state != state:
-                    await self.membership.set_state(state)
-                    log.info("node state -> %s (%s)", state.value, request_id)
-                if request.op == ControlOp.UNCORDON:
-                    await self.etcd.delete(self.keys.cordon(self.node_id))
-                await self.etcd.delete(self.keys.control_request(request_id))
-            except ETCD_ERRORS as exc:
-                log.warning("could not apply %s: %s", request_id, exc)
-                self._follow.set()
-                return

@@ -71,7 +71,7 @@ class Service:
         """READY=1 once the agent listens (start() returned) and holds its lease."""
         assert self.agent.membership is not None
         await self.agent.membership.joined.wait()
-        self.notifier.ready(f"{self.agent.agent_state}: holds lease "
+        self.notifier.ready(f"{self.agent.state.state.value}: holds lease "
                             f"{self.agent.membership.lease_id:x}")
 
     # -- signals ---------------------------------------------------------------------------------
@@ -116,12 +116,13 @@ class Service:
         fault = plan.job.fault if plan is not None else None
         # The leader gives a planned stop boundary_timeout before it treats the generation as
         # failed; past that (plus the time to notice) waiting longer cannot save anything.
-        limit = (boundary_timeout(fault) if fault else 0.0) + 2 * a.ttl
+        limit = (boundary_timeout(fault) if fault else 0.0) + 2 * a.config.ttl
         deadline = time.monotonic() + limit
         await self._request_drain(deadline)
         reason = None
         while reason is None and time.monotonic() < deadline:
-            await a.view.wait_for(lambda: self.drained() is not None, timeout=min(1.0, a.ttl))
+            await a.view.wait_for(lambda: self.drained() is not None,
+                                  timeout=min(1.0, a.config.ttl))
             reason = self.drained()
         if reason is None:
             log.warning("drain did not complete within %.0fs; stopping anyway", limit)
@@ -134,7 +135,7 @@ class Service:
         """The same request `ultractl drain` writes; this agent's follower applies it."""
         a = self.agent
         request = ControlRequest(op=ControlOp.DRAIN, node=a.node_id, time=time.time())
-        backoff = Backoff(initial=0.1, maximum=a.ttl / 2)
+        backoff = Backoff(initial=0.1, maximum=a.config.ttl / 2)
         while time.monotonic() < deadline:
             try:
                 await a.etcd.put(a.keys.control_request(f"drain-{a.node_id}-sigterm"),

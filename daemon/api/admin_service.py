@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 import uuid
 from collections.abc import AsyncIterator
-from typing import Protocol
+from dataclasses import dataclass
 
 import grpc
 
@@ -18,29 +18,36 @@ from daemon.control.job_submit import prepare_spec, write_spec
 from daemon.control.keys import Keys
 from daemon.control.records import ENDED, ControlOp, ControlRequest, JobState, NodeState
 from daemon.control.view import ClusterView
+from daemon.state import StateMachine
 from parallel import job as jobmod
 from parallel import mesh_dims
 from proto.ultrascale.v1 import agent_pb2 as pb
 from proto.ultrascale.v1 import agent_pb2_grpc as pb_grpc
 
 
-class AdminHost(Protocol):
-    """What the service needs from the agent (the agent implements it)."""
+@dataclass(frozen=True)
+class AdminContext:
+    """What the service reads and writes: this agent's config, its view of the cluster, etcd,
+    and its own state machine."""
 
     node_id: str
     config: AgentConfig
     view: ClusterView
     etcd: Etcd
     keys: Keys
+    state: StateMachine
 
     @property
-    def agent_state(self) -> str: ...
+    def agent_state(self) -> str:
+        return self.state.state.value
+
     @property
-    def ttl(self) -> float: ...
+    def ttl(self) -> float:
+        return float(self.config.ttl)
 
 
 class AdminService(pb_grpc.AgentServicer):
-    def __init__(self, host: AdminHost) -> None:
+    def __init__(self, host: AdminContext) -> None:
         self.host = host
 
     async def GetStatus(self, request: pb.GetStatusRequest,

@@ -20,14 +20,12 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable, Mapping
-from typing import Protocol
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from daemon.api.auth import split_host_port
 from daemon.api.grpc_limits import MESSAGE_OPTIONS
-from daemon.control.membership import Membership
 from daemon.control.view import ClusterView
 from daemon.tasks import TaskSupervisor
 
@@ -42,34 +40,26 @@ _NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 Probe = Callable[[], "str | None"]
 
 
-class ProbeHost(Protocol):
-    """What the probes read from the agent (the agent implements it)."""
-
-    node_id: str
-    view: ClusterView
-    tasks: TaskSupervisor
-    stopping: asyncio.Event
-    membership: Membership | None
-
-
-def agent_probes(host: ProbeHost) -> dict[str, Probe]:
+def agent_probes(node: str, view: ClusterView, tasks: TaskSupervisor, stopping: asyncio.Event,
+                 joined: Callable[[], bool]) -> dict[str, Probe]:
+    """Readiness and liveness of the agent of `node`; `joined`: whether it holds a lease."""
     def ready() -> str | None:
-        if host.stopping.is_set():
+        if stopping.is_set():
             return "shutting down"
-        # `joined` stays set while an etcd outage is ridden out, and clears when the agent
-        # fences itself or etcd says the lease expired.
-        if host.membership is None or not host.membership.joined.is_set():
+        # `joined` stays true while an etcd outage is ridden out, and turns false when the
+        # agent fences itself or etcd says the lease expired.
+        if not joined():
             return "no lease"
-        plan = host.view.plan
+        plan = view.plan
         if plan is None:
             return "no generation yet"
-        if host.node_id not in plan.nodes:
+        if node not in plan.nodes:
             return f"not in generation {plan.generation}"
         return None
 
     def live() -> str | None:
-        if host.tasks.failed.is_set():
-            return host.tasks.failure or "a supervised task failed"
+        if tasks.failed.is_set():
+            return tasks.failure or "a supervised task failed"
         return None
 
     return {READINESS: ready, LIVENESS: live, "": live}

@@ -13,7 +13,7 @@ import json
 import logging
 import os
 import tempfile
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
@@ -23,10 +23,10 @@ from grpc_reflection.v1alpha import reflection
 from prometheus_client import start_http_server
 
 from daemon.api import advertise
-from daemon.api.admin_service import AdminService
+from daemon.api.admin_service import AdminContext, AdminService
 from daemon.api.auth import BearerTokenInterceptor, load_or_create_token
 from daemon.api.grpc_limits import MESSAGE_OPTIONS, SERVER_OPTIONS
-from daemon.api.probes import agent_probes, start_probe_server
+from daemon.api.probes import Probe, start_probe_server
 from daemon.api.replication_streams import ReplicationStreams
 from daemon.api.snapshot_service import SnapshotPeerService
 from daemon.config import AgentConfig
@@ -34,6 +34,7 @@ from daemon.control.etcd_client import parse_endpoints
 from daemon.control.records import SnapshotHoldings
 from daemon.metrics import Metrics
 from daemon.node.snapshot_files import Incoming
+from daemon.node.snapshot_keeper import SnapshotKeeper
 from daemon.node.worker_service import WorkerControlService, WorkerHost
 from daemon.tls_files import client_credentials
 from proto.ultrascale.v1 import agent_pb2 as pb
@@ -64,8 +65,11 @@ class AgentIO:
         self._peer_secret: Any = lambda: ""
         self._replication = ReplicationStreams(self._peer, self._peer_metadata)
 
-    async def start(self, host: Any, node: WorkerHost) -> None:
-        """`host`: the agent (admin service, probes); `node`: this node's workers."""
+    async def start(self, admin: AdminContext, probes: dict[str, Probe], node: WorkerHost,
+                    snapshots: SnapshotKeeper | None, peer_secret: Callable[[], str]) -> None:
+        """Serve the admin service (`admin`), health `probes`, this node's workers (`node`)
+        and, when this agent keeps snapshots, its peers' snapshot calls, authenticated with
+        the job's `peer_secret`."""
         cfg = self.config
         self.token, _ = load_or_create_token(cfg.token_file, cfg.state_dir)
         self.advertised_host = await asyncio.to_thread(
@@ -80,14 +84,13 @@ class AgentIO:
         metrics_port = self._metrics_server.server_port
         self.metrics_url = f"http://{advertise.host_port(metrics_host, metrics_port)}/metrics"
 
-        self._peer_secret = host.peer_keys.secret
+        self._peer_secret = peer_secret
         server = grpc.aio.server(interceptors=[BearerTokenInterceptor(self.token,
                                                                       self._peer_secret)],
                                  options=SERVER_OPTIONS)
-        pb_grpc.add_AgentServicer_to_server(AdminService(host), server)
-        if host.snapshots is not None:
-            pb_grpc.add_SnapshotPeerServicer_to_server(SnapshotPeerService(host.snapshots),
-                                                       server)
+        pb_grpc.add_AgentServicer_to_server(AdminService(admin), server)
+        if snapshots is not None:
+            pb_grpc.add_SnapshotPeerServicer_to_server(SnapshotPeerService(snapshots), server)
         self._health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
         reflection.enable_server_reflection(
@@ -111,9 +114,8 @@ class AgentIO:
         await workers.start()
         os.chmod(self.socket_path, 0o600)  # only this user's processes may drive the agent
         if cfg.health_listen:
-            probes, self.health_address = await start_probe_server(cfg.health_listen,
-                                                                   agent_probes(host))
-            self._servers.append(probes)
+            server, self.health_address = await start_probe_server(cfg.health_listen, probes)
+            self._servers.append(server)
 
     def write_agent_file(self, node: str) -> None:
         """Where to reach this agent, for `ultrad local`, tests and operators."""

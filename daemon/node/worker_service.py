@@ -36,7 +36,7 @@ from proto.ultrascale.v1 import agent_pb2_grpc as pb_grpc
 
 
 class WorkerHost(Protocol):
-    """What the service needs from the agent (the agent implements it)."""
+    """What the service needs from this node's workers (daemon/node/workers.py implements it)."""
 
     node_id: str
     devices: int

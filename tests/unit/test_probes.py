@@ -30,10 +30,10 @@ async def _status(address: str, service: str) -> int:
 def test_liveness_fails_when_a_supervised_task_dies() -> None:
     async def go() -> None:
         tasks = TaskSupervisor()
-        # The agent's attributes the probes read; no membership yet: not ready.
-        host = SimpleNamespace(node_id="n1", view=SimpleNamespace(plan=None), tasks=tasks,
-                               stopping=asyncio.Event(), membership=None)
-        server, address = await start_probe_server("127.0.0.1:0", agent_probes(host))
+        # What the probes read of the agent; no lease yet: not ready.
+        probes = agent_probes("n1", SimpleNamespace(plan=None), tasks, asyncio.Event(),
+                              lambda: False)
+        server, address = await start_probe_server("127.0.0.1:0", probes)
         try:
             assert await _status(address, LIVENESS) == SERVING
             assert await _status(address, "") == SERVING
