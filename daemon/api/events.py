@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,12 +22,12 @@ from daemon.control.records import (
     Directive,
     JobSpec,
     JobStatus,
-    NodeRecord,
     Progress,
     RendezvousRound,
     RestoreRecord,
 )
-from parallel.planner import Plan, PlanError
+from daemon.control.schema import MalformedRecord, decode, entry
+from parallel.planner import Plan
 
 
 @dataclass(frozen=True)
@@ -40,108 +40,124 @@ class ClusterEvent:
 
 
 def _state(raw: bytes) -> str:
-    with contextlib.suppress(ValueError, TypeError):
-        return NodeRecord.from_json(raw).state.value
+    with contextlib.suppress(MalformedRecord):
+        return decode("nodes", raw).state.value
     return "?"
 
 
 def render(keys: Keys, ev: Any) -> ClusterEvent | None:
-    """One etcd event as a cluster event; None for keys that are not news (routine progress)."""
-    name, kv, put = keys.relative(ev.kv.key), ev.kv, ev.type == PUT
-    rev = kv.mod_revision
-    if name.startswith("nodes/"):
-        node = name[len("nodes/"):]
+    """One etcd event as a cluster event; None for keys that are not news (routine progress)
+    and for values that do not parse."""
+    e, kv, put = entry(keys, ev.kv.key), ev.kv, ev.type == PUT
+    before = ev.prev_kv.value if ev.prev_kv.key else None
+    if e.kind == "nodes":
+        return _node(kv.mod_revision, e.subject, kv.value if put else None, before)
+    if e.kind == "leader":
+        node = kv.value.decode() if put else (before.decode() if before is not None else "")
         if not put:
-            return ClusterEvent(rev, "node-left", node, message=f"{node} left (lease ended)")
-        state = _state(kv.value)
-        if ev.prev_kv.key:
-            before = _state(ev.prev_kv.value)
-            if before == state:
-                return None
-            return ClusterEvent(rev, "node-state", node, message=f"{node}: {before} -> {state}")
-        return ClusterEvent(rev, "node-joined", node, message=f"{node} joined ({state})")
-    if name == "leader":
-        node = kv.value.decode() if put else (ev.prev_kv.value.decode() if ev.prev_kv.key else "")
-        if not put:
-            return ClusterEvent(rev, "leader", node, message=f"{node} no longer leads")
-        return ClusterEvent(rev, "leader", node,
+            return ClusterEvent(kv.mod_revision, "leader", node,
+                                message=f"{node} no longer leads")
+        return ClusterEvent(kv.mod_revision, "leader", node,
                             message=f"{node} leads (fencing token {kv.create_revision})")
-    if name == "generation" and put:
-        try:
-            plan = Plan.from_json(kv.value)
-        except PlanError:
-            return None
-        r = plan.restore
-        return ClusterEvent(
-            rev, "generation", generation=plan.generation,
-            message=f"generation {plan.generation} ({plan.reason or '?'}): world "
-                    f"{plan.world_size} on {','.join(sorted(plan.nodes))}; restore "
-                    f"{r.source}@{r.step}" + (f" ({r.reason})" if r.reason else "")
-                    + (f"; layout {plan.layout_reason}" if plan.layout_reason else ""))
-    if name == "spec" and put:
-        job = JobSpec.from_json(kv.value).config.get("job", {}).get("name", "?")
-        return ClusterEvent(rev, "job-submitted", message=f"job {job} submitted")
-    if name == "status" and put:
-        st = JobStatus.from_json(kv.value)
-        before = JobStatus.from_json(ev.prev_kv.value) if ev.prev_kv.key else JobStatus()
-        if (st.state, st.reason) == (before.state, before.reason):
-            return None
-        return ClusterEvent(rev, "job-state", message=f"job {st.state.value}"
-                            + (f": {st.reason}" if st.reason else ""))
-    if name.startswith("cordons/") and put:
-        c = Cordon.from_json(kv.value)
-        return ClusterEvent(rev, "cordon", c.node, message=f"{c.node} cordoned: {c.reason}")
-    if name.startswith("control/") and put:
-        req = ControlRequest.from_json(kv.value)
-        if req.op == ControlOp.FAILURE:
-            return ClusterEvent(rev, "failure", req.node, req.generation,
-                                f"{req.node}: {req.kind.value} failure in generation "
-                                f"{req.generation} at step {req.step}: {req.message[:300]}"
-                                + (f"\n{req.stacks}" if req.stacks else ""))
-        return ClusterEvent(rev, "control", req.node,
-                            message=f"{req.op.value} {req.node}".strip() + " requested")
-    if name == "restore" and put:
-        r = RestoreRecord.from_json(kv.value)
-        what = {"snapshot": f"snapshot@{r.step} from memory ({r.snapshot_bytes} bytes on rank 0)",
-                "checkpoint": f"checkpoint@{r.step}", "init": "nothing (step 0)"}.get(
-                    r.source, f"{r.source}@{r.step}")
-        skipped = f"; the planned {r.planned} was skipped: {r.skipped[:300]}" if r.skipped \
-            else ""
-        return ClusterEvent(rev, "restore", generation=r.generation,
-                            message=f"generation {r.generation} restored {what} in "
-                                    f"{r.seconds:.2f}s{skipped}")
-    if name == "progress" and put:
-        p = Progress.from_json(kv.value)
-        before = Progress.from_json(ev.prev_kv.value) if ev.prev_kv.key else Progress()
-        new_skip = p.skipped_step and (p.generation, p.skipped_step) != (before.generation,
-                                                                          before.skipped_step)
-        if not new_skip:
-            if p.eval_step and (p.generation, p.eval_step) != (before.generation,
-                                                               before.eval_step):
-                return ClusterEvent(rev, "eval", generation=p.generation,
-                                    message=f"step {p.eval_step}: eval_loss {p.eval_loss:.6g}")
-            return None  # routine progress is not news
-        return ClusterEvent(rev, "skipped-step", generation=p.generation,
-                            message=f"step {p.skipped_step} skipped on every rank "
-                                    f"({p.skipped_reason}): its update was not applied, its "
-                                    f"samples were consumed")
-    if name == "rendezvous/round" and put:
-        return _rendezvous(rev, kv.value, ev.prev_kv.value if ev.prev_kv.key else None)
-    if name == "directive" and put:
-        d = Directive.from_json(kv.value)
-        return ClusterEvent(rev, "directive", generation=d.generation,
-                            message=f"generation {d.generation}: "
-                                    + (f"stop at the next step boundary ({d.reason}), "
-                                       if d.stop else "")
-                                    + f"checkpoint requests {d.checkpoint_seq}")
-    return None
+    if not put or e.kind not in _RENDERED:
+        return None
+    try:
+        record = decode(e.kind, kv.value)
+    except MalformedRecord:
+        return None
+    previous = None
+    if before is not None:
+        with contextlib.suppress(MalformedRecord):
+            previous = decode(e.kind, before)
+    return _RENDERED[e.kind](kv.mod_revision, record, previous)
 
 
-def _rendezvous(rev: int, raw: bytes, before_raw: bytes | None) -> ClusterEvent | None:
+def _node(rev: int, node: str, raw: bytes | None, before: bytes | None) -> ClusterEvent | None:
+    if raw is None:
+        return ClusterEvent(rev, "node-left", node, message=f"{node} left (lease ended)")
+    state = _state(raw)
+    if before is not None:
+        was = _state(before)
+        if was == state:
+            return None
+        return ClusterEvent(rev, "node-state", node, message=f"{node}: {was} -> {state}")
+    return ClusterEvent(rev, "node-joined", node, message=f"{node} joined ({state})")
+
+
+def _generation(rev: int, plan: Plan, _: Plan | None) -> ClusterEvent:
+    r = plan.restore
+    return ClusterEvent(
+        rev, "generation", generation=plan.generation,
+        message=f"generation {plan.generation} ({plan.reason or '?'}): world "
+                f"{plan.world_size} on {','.join(sorted(plan.nodes))}; restore "
+                f"{r.source}@{r.step}" + (f" ({r.reason})" if r.reason else "")
+                + (f"; layout {plan.layout_reason}" if plan.layout_reason else ""))
+
+
+def _spec(rev: int, spec: JobSpec, _: JobSpec | None) -> ClusterEvent:
+    job = spec.config.get("job", {}).get("name", "?")
+    return ClusterEvent(rev, "job-submitted", message=f"job {job} submitted")
+
+
+def _status(rev: int, st: JobStatus, before: JobStatus | None) -> ClusterEvent | None:
+    before = before or JobStatus()
+    if (st.state, st.reason) == (before.state, before.reason):
+        return None
+    return ClusterEvent(rev, "job-state", message=f"job {st.state.value}"
+                        + (f": {st.reason}" if st.reason else ""))
+
+
+def _cordon(rev: int, c: Cordon, _: Cordon | None) -> ClusterEvent:
+    return ClusterEvent(rev, "cordon", c.node, message=f"{c.node} cordoned: {c.reason}")
+
+
+def _control(rev: int, req: ControlRequest, _: ControlRequest | None) -> ClusterEvent:
+    if req.op == ControlOp.FAILURE:
+        return ClusterEvent(rev, "failure", req.node, req.generation,
+                            f"{req.node}: {req.kind.value} failure in generation "
+                            f"{req.generation} at step {req.step}: {req.message[:300]}"
+                            + (f"\n{req.stacks}" if req.stacks else ""))
+    return ClusterEvent(rev, "control", req.node,
+                        message=f"{req.op.value} {req.node}".strip() + " requested")
+
+
+def _restore(rev: int, r: RestoreRecord, _: RestoreRecord | None) -> ClusterEvent:
+    what = {"snapshot": f"snapshot@{r.step} from memory ({r.snapshot_bytes} bytes on rank 0)",
+            "checkpoint": f"checkpoint@{r.step}", "init": "nothing (step 0)"}.get(
+                r.source, f"{r.source}@{r.step}")
+    skipped = f"; the planned {r.planned} was skipped: {r.skipped[:300]}" if r.skipped else ""
+    return ClusterEvent(rev, "restore", generation=r.generation,
+                        message=f"generation {r.generation} restored {what} in "
+                                f"{r.seconds:.2f}s{skipped}")
+
+
+def _progress(rev: int, p: Progress, before: Progress | None) -> ClusterEvent | None:
+    before = before or Progress()
+    new_skip = p.skipped_step and (p.generation, p.skipped_step) != (before.generation,
+                                                                      before.skipped_step)
+    if not new_skip:
+        if p.eval_step and (p.generation, p.eval_step) != (before.generation, before.eval_step):
+            return ClusterEvent(rev, "eval", generation=p.generation,
+                                message=f"step {p.eval_step}: eval_loss {p.eval_loss:.6g}")
+        return None  # routine progress is not news
+    return ClusterEvent(rev, "skipped-step", generation=p.generation,
+                        message=f"step {p.skipped_step} skipped on every rank "
+                                f"({p.skipped_reason}): its update was not applied, its "
+                                f"samples were consumed")
+
+
+def _directive(rev: int, d: Directive, _: Directive | None) -> ClusterEvent:
+    return ClusterEvent(rev, "directive", generation=d.generation,
+                        message=f"generation {d.generation}: "
+                                + (f"stop at the next step boundary ({d.reason}), "
+                                   if d.stop else "")
+                                + f"checkpoint requests {d.checkpoint_seq}")
+
+
+def _rendezvous(rev: int, r: RendezvousRound, before: RendezvousRound | None
+                ) -> ClusterEvent | None:
     """Plain torchrun's rendezvous (daemon/rendezvous/): a round that completes, nodes that
     join or wait, the close; heartbeats rewrite the same summary and are not news."""
-    r = RendezvousRound.from_json(raw)
-    before = RendezvousRound.from_json(before_raw) if before_raw is not None else None
 
     def news(x: RendezvousRound) -> tuple[object, ...]:
         return (x.round, x.complete, x.closed, x.participants, x.waiting)
@@ -163,6 +179,14 @@ def _rendezvous(rev: int, raw: bytes, before_raw: bytes | None) -> ClusterEvent 
     if r.waiting:
         message += f"; waiting for the next round: {', '.join(r.waiting)}"
     return ClusterEvent(rev, "rendezvous", generation=r.round, message=message)
+
+
+# Each key kind whose puts are news (daemon/control/schema.py): its record, and the one before.
+_RENDERED: dict[str, Callable[[int, Any, Any], ClusterEvent | None]] = {
+    "generation": _generation, "spec": _spec, "status": _status, "cordons": _cordon,
+    "control": _control, "restore": _restore, "progress": _progress,
+    "rendezvous/round": _rendezvous, "directive": _directive,
+}
 
 
 # A progress notification ends a replay only once some event came, or this long after the

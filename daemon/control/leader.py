@@ -35,6 +35,7 @@ from daemon.control.facts import (
 )
 from daemon.control.keys import Keys
 from daemon.control.records import ControlOp, SnapshotHoldings
+from daemon.control.schema import decode
 from daemon.control.store_host import StoreHost
 from daemon.control.view import ClusterView
 from daemon.tasks import Backoff
@@ -319,7 +320,7 @@ class Leader:
 
     async def write_generation(self, candidate: Plan, reason: str) -> Plan:
         kv = await self.etcd.get(self.keys.generation)
-        number = Plan.from_json(kv.value).generation if kv else 0
+        number = decode("generation", kv.value).generation if kv else 0
         mod = kv.mod_revision if kv else 0
         port = await self.store.open(number + 1)
         prefix = f"generation/{number + 1}/{uuid.uuid4().hex[:12]}"

@@ -30,10 +30,14 @@ from daemon.control.records import (
     RestoreRecord,
     SnapshotHoldings,
 )
+from daemon.control.schema import FAMILIES, RECORDS, MalformedRecord, decode, entry
 from daemon.tasks import Backoff
-from parallel.planner import Plan, PlanError
+from parallel.planner import Plan
 
 log = logging.getLogger(__name__)
+# What the view keeps of the namespace (daemon/control/schema.py): all but rendezvous/.
+_VIEWED = frozenset({*FAMILIES, "leader", "generation", "spec", "progress", "checkpoint",
+                     "directive", "status", "restore"})
 
 Listener = Callable[[set[str]], None]
 
@@ -144,71 +148,46 @@ class ClusterView:
 
     def _apply(self, kv: Any, put: bool) -> str:
         """Apply one key change; returns which part of the view changed ("" for none)."""
-        name = self.keys.relative(kv.key)
-        if name.startswith("nodes/"):
-            node = name[len("nodes/"):]
-            if not put:
-                self.nodes.pop(node, None)
-                return "nodes"
+        e = entry(self.keys, kv.key)
+        if e.kind not in _VIEWED:
+            return ""
+        record: Any = None
+        if put:
             try:
-                record = NodeRecord.from_json(kv.value)
-            except (ValueError, TypeError):
-                log.error("ignoring malformed node record %s", name)
+                record = decode(e.kind, kv.value)
+            except MalformedRecord as exc:
+                log.error("ignoring the malformed value of %s: %s",
+                          self.keys.relative(kv.key), exc)
                 return ""
-            self.nodes[node] = Member(record, kv.lease, kv.create_revision)
-            return "nodes"
-        if name.startswith("control/"):
-            request_id = name[len("control/"):]
+        if e.kind == "generation":
+            return self._apply_generation(record, kv.mod_revision) if put else ""
+        if e.kind == "nodes":
             if put:
-                self.control[request_id] = ControlRequest.from_json(kv.value)
+                self.nodes[e.subject] = Member(record, kv.lease, kv.create_revision)
             else:
-                self.control.pop(request_id, None)
-            return "control"
-        if name.startswith("snapshots/"):
-            node = name[len("snapshots/"):]
+                self.nodes.pop(e.subject, None)
+        elif e.kind in FAMILIES:
+            members = getattr(self, e.kind)  # control, snapshots, cordons
             if put:
-                self.snapshots[node] = SnapshotHoldings.from_json(kv.value)
+                members[e.subject] = record
             else:
-                self.snapshots.pop(node, None)
-            return "snapshots"
-        if name == "restore":
-            self.restore = RestoreRecord.from_json(kv.value) if put else RestoreRecord()
-            return "restore"
-        if name.startswith("cordons/"):
-            node = name[len("cordons/"):]
-            if put:
-                self.cordons[node] = Cordon.from_json(kv.value)
-            else:
-                self.cordons.pop(node, None)
-            return "cordons"
-        if name == "leader":
-            self.leader = (kv.value.decode(), kv.create_revision) if put else None
-            return "leader"
-        if name == "generation":
-            return self._apply_generation(kv) if put else ""
-        if name == "spec":
+                members.pop(e.subject, None)
+        elif e.kind == "leader":
+            self.leader = (record, kv.create_revision) if put else None
+        elif e.kind == "spec":
             self.spec = KV(kv.key, kv.value, kv.create_revision, kv.mod_revision, kv.lease) \
                 if put else None
-            self.job_spec = JobSpec.from_json(kv.value) if put else JobSpec()
-            return "spec"
-        records = {"progress": Progress, "checkpoint": CheckpointRecord,
-                   "directive": Directive, "status": JobStatus}
-        if name in records:
-            setattr(self, name, records[name].from_json(kv.value) if put else records[name]())
-            return name
-        return ""
+            self.job_spec = record if put else JobSpec()
+        else:  # progress, checkpoint, directive, status, restore: one record each
+            setattr(self, e.kind, record if put else RECORDS[e.kind]())
+        return e.kind
 
-    def _apply_generation(self, kv: Any) -> str:
-        try:
-            plan = Plan.from_json(kv.value)
-        except (PlanError, ValueError) as exc:
-            log.error("ignoring malformed generation value: %s", exc)
-            return ""
+    def _apply_generation(self, plan: Plan, mod_revision: int) -> str:
         if plan.generation <= self.generation:
             # Within one etcd history generations only grow; a replayed value is not news.
             return ""
         self.plan, self.generation = plan, plan.generation
-        self.generation_mod_revision = kv.mod_revision
+        self.generation_mod_revision = mod_revision
         return "generation"
 
     # -- queries --------------------------------------------------------------------------
