@@ -10,7 +10,8 @@ Calls go to one etcd member at a time, over one channel per member that is diall
 name (etcd_members.py: DNS names, TLS per member, failover, warnings).
 
 Two streams are ours rather than aetcd's: aetcd's `Lease.refresh()` opens a new gRPC stream per
-keepalive (measured here: it doubles CPU on both sides at 512 agents), so `KeepAlive`
+keepalive (at hundreds of agents that is most of both sides' CPU: docs/architecture.md,
+"etcd keys"), so `KeepAlive`
 holds ONE long-lived LeaseKeepAlive stream; and `watch` exposes etcd's revisions and
 compaction so callers can resume exactly where they left off after etcd restarts.
 """
