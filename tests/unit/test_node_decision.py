@@ -21,23 +21,9 @@ from daemon.node.node_decision import (
 from daemon.node.watchdog import HangDetector
 from parallel.job import FaultConfig, loads
 from parallel.planner import NodeInfo, Plan, plan_generation
+from tests.unit.test_metrics import JOB
 
 pytestmark = pytest.mark.unit
-
-JOB = """
-[data]
-source = "synthetic"
-[model]
-hidden_size = 64
-intermediate_size = 128
-num_hidden_layers = 2
-num_attention_heads = 4
-num_key_value_heads = 2
-vocab_size = 256
-[train]
-global_batch = 8
-seq_len = 32
-"""
 
 
 def _plan(generation: int, nodes: tuple[str, ...] = ("a", "b"), restore_step: int = 10
