@@ -130,12 +130,12 @@ class GenerationDriver:
         log: Callable[[str], None] = _stderr,
         snapshot_root: Path | None = None,
         node: str = "",
+        inject: NonFiniteInjection | None = None,
     ) -> None:
         self.job, self.layout, self.last_step, self.generation = job, layout, last_step, generation
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         self.node = node or os.uname().nodename  # named in a fragmented-checkpoint failure
-        self.trainer = Trainer(job, layout, mesh, device,
-                               inject=NonFiniteInjection.from_env(os.environ))
+        self.trainer = Trainer(job, layout, mesh, device, inject=inject)
         self.memory = MemoryMeter(self.trainer.model, self.trainer.optimizer, device)
         root = checkpoint_root(job)
         self.ckpt = (

@@ -13,6 +13,7 @@ from parallel.job import JobConfig, process_group_timeout
 from parallel.layout import resolve
 from parallel.mesh import build_mesh
 from trainer.driver import GenerationDriver, output_dir, select_device
+from trainer.fault_injection import NonFiniteInjection
 
 
 def _log(msg: str) -> None:
@@ -49,6 +50,7 @@ def run(cfg: JobConfig, *, stop_at: int, resume: bool, printer) -> int:
             timeout=timeout,
             last_step=stop_at,
             step_log=output_dir(cfg),
+            inject=NonFiniteInjection.from_env(os.environ),
         )
         restored = driver.restore_start(resume)
         if rank == 0 and restored.source == "checkpoint":

@@ -20,10 +20,12 @@ Testing aid: `ULTRA_FAULT_FAIL_AT_STEP=N` [`ULTRA_FAULT_FAIL_NODES=node-1,...`] 
 worker raise a local `RuntimeError("injected fault at step N")` right after completing step N,
 each time it gets there; `ULTRA_FAULT_HANG_AT_STEP=N` makes it hang there (trainer.fault_injection).
 
-Environment (set by the agent): ULTRA_AGENT_SOCKET, ULTRA_LOCAL_RANK, ULTRA_NODE_ID,
-ULTRA_AGENT_PID, ULTRA_WORKER_THREADS, ULTRA_SNAPSHOT_ROOT (where this node's in-memory
-snapshots live; unset: none are taken), ULTRA_STACKS_FD (where SIGUSR1 dumps the Python stacks,
-trainer.stack_dump).
+Environment (set by the agent), read once at start into a `WorkerEnv` (trainer/world.py, where
+each generation's world is built from it and the agent's plan): ULTRA_AGENT_SOCKET,
+ULTRA_LOCAL_RANK, ULTRA_NODE_ID, ULTRA_WORKER_THREADS, ULTRA_SNAPSHOT_ROOT (where this node's
+in-memory snapshots live; unset: none are taken), the fault injections; and, read where they
+act, ULTRA_AGENT_PID (trainer.agent_death) and ULTRA_STACKS_FD (where SIGUSR1 dumps the Python
+stacks, trainer.stack_dump).
 """
 
 from __future__ import annotations
@@ -38,30 +40,24 @@ import os
 import sys
 import time
 from dataclasses import dataclass
-from datetime import timedelta
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 
-from checkpoint.snapshot_reader import local_first_fetch
 from checkpoint.snapshot_store import SnapshotStore
-from parallel.job import FaultConfig, process_group_timeout
-from parallel.mesh import build_mesh
-from parallel.planner import Plan
+from parallel.job import FaultConfig
 from proto.ultrascale.v1 import agent_pb2 as pb
 from trainer.agent_link import AgentLink, AgentUnreachable
 from trainer.agreement import decide
-from trainer.driver import GenerationDriver, checkpoint_root, output_dir, select_device
+from trainer.driver import GenerationDriver
 from trainer.failure_kind import classify_failure
-from trainer.fault_injection import FaultInjection
 from trainer.heartbeat import Heartbeat
-from trainer.shared_storage import check_shared
 from trainer.standby import await_role, is_standby
 from trainer.teardown import Teardown, freeze_import_heap, sever_connections
 from trainer.telemetry import expert_telemetry
 from trainer.thread_names import name_thread
+from trainer.world import GenerationSpec, WorkerEnv, build_world
 
 
 def _log(msg: str) -> None:
@@ -89,67 +85,27 @@ def name_process(name: str) -> None:
     name_thread(name)
 
 
-def store_prefix(gp: pb.GenerationPlan) -> str:
-    return gp.store_prefix or f"generation/{gp.generation}"
-
-
-def join_world(gp: pb.GenerationPlan, backend: str, timeout: timedelta) -> None:
-    """Join generation gp through the agent-hosted store, under the plan's key prefix."""
-    store = dist.TCPStore(gp.store_host, gp.store_port, is_master=False, timeout=timeout)
-    dist.init_process_group(
-        backend,
-        store=dist.PrefixStore(store_prefix(gp), store),
-        rank=gp.global_rank,
-        world_size=gp.world_size,
-        timeout=timeout,
-    )
-
-
 class Generation:
     """This rank's part in one generation. Holds no reference to the world once `run` returns."""
 
-    def __init__(
-        self, link: AgentLink, beat: Heartbeat, gp: pb.GenerationPlan, faults: FaultInjection | None,
-        teardown: Teardown,
-    ) -> None:
-        self.link, self.beat, self.gp, self.faults = link, beat, gp, faults
+    def __init__(self, link: AgentLink, beat: Heartbeat, gp: pb.GenerationPlan, env: WorkerEnv,
+                 teardown: Teardown) -> None:
+        self.link, self.beat, self.gp, self.env = link, beat, gp, env
+        self.faults = env.faults
         self.teardown = teardown
         self.step = 0  # steps completed, for a failure report
 
     def run(self) -> Outcome:
         gp = self.gp
-        plan = Plan.from_json(gp.plan_json)
-        job, layout = plan.job, plan.layout
-        self.link.use(job.fault)
-        timeout = timedelta(seconds=process_group_timeout(job.fault))
+        spec = GenerationSpec.of(gp, self.env)
+        plan, layout, node, snapshot_root = spec.plan, spec.plan.layout, self.env.node, \
+            self.env.snapshot_root
+        self.link.use(plan.job.fault)
         self.beat.update(gp.generation, "join", 0)
-        device, backend, device_type = select_device(self.link.local_rank)
-        join_world(gp, backend, timeout)
-        mesh = build_mesh(layout, device_type, timeout)
-        self.beat.update(gp.generation, "restore", 0)
-        root = checkpoint_root(job)
-        snapshot_root = Path(os.environ["ULTRA_SNAPSHOT_ROOT"]) \
-            if os.environ.get("ULTRA_SNAPSHOT_ROOT") else None
-        node = os.environ.get("ULTRA_NODE_ID", "")
-        if root is not None and job.checkpoint.storage == "shared":
-            check_shared(root, gp.store_prefix, node or "?")
-        driver = GenerationDriver(
-            job,
-            layout,
-            mesh,
-            device,
-            timeout=timeout,
-            last_step=job.train.steps,
-            generation=gp.generation,
-            step_log=output_dir(job) or Path("."),
-            log=_log,
-            snapshot_root=snapshot_root,
-            node=node,
-        )
-        fetch = local_first_fetch(snapshot_root, plan.restore.step,
-                                  self.link.snapshot_fetch(plan.restore.step)) \
-            if snapshot_root else None
-        restored = driver.restore_planned(plan.restore, fetch)
+        world = build_world(spec, self.link.snapshot_fetch,
+                            lambda phase: self.beat.update(gp.generation, phase, 0), _log)
+        driver = world.driver
+        restored = driver.restore_planned(plan.restore, world.fetch)
         self.step = driver.step
         mine = [r.local_rank for r in plan.ranks_of(node)]
         if snapshot_root is not None and mine and gp.local_rank == min(mine):
@@ -231,11 +187,9 @@ class Generation:
             self.link.report_checkpoint(self.gp, step, str(path), seconds)
 
 
-def run_one(
-    link: AgentLink, beat: Heartbeat, gp: pb.GenerationPlan, faults: FaultInjection | None,
-    teardown: Teardown,
-) -> Outcome:
-    generation = Generation(link, beat, gp, faults, teardown)
+def run_one(link: AgentLink, beat: Heartbeat, gp: pb.GenerationPlan, env: WorkerEnv,
+            teardown: Teardown) -> Outcome:
+    generation = Generation(link, beat, gp, env, teardown)
     try:
         outcome = generation.run()
     # DCP's CheckpointException derives from BaseException, not Exception.
@@ -272,7 +226,6 @@ def next_backoff(previous: float | None, fault: FaultConfig) -> float:
 def main() -> int:
     die_with_agent()  # again: also without ULTRA_AGENT_PID (a test's own launcher)
     answer_stack_requests()
-    torch.set_num_threads(int(os.environ.get("ULTRA_WORKER_THREADS", "1")))
     freeze_import_heap()
     teardown = Teardown()
     teardown.refresh()  # now, not between a failure and the next join
@@ -283,11 +236,11 @@ def main() -> int:
         if role is None:
             return 0
         _log(f"standby: taking local rank {role}")
-    local_rank = int(os.environ.get("ULTRA_LOCAL_RANK", "0"))
-    name_process(f"ultra-w{local_rank}")
-    link = AgentLink(os.environ["ULTRA_AGENT_SOCKET"], local_rank)
+    env = WorkerEnv.from_environ(os.environ)  # the standby's, once it took its rank
+    torch.set_num_threads(env.threads)
+    name_process(f"ultra-w{env.local_rank}")
+    link = AgentLink(env.agent_socket, env.local_rank)
     beat = Heartbeat(link.heartbeat, _log).start()
-    faults = FaultInjection.from_env(os.environ)
     fault = FaultConfig()  # the last joined job's, once there is one
     generation, delay = 0, None
     while True:
@@ -311,7 +264,7 @@ def main() -> int:
         if gp.global_rank < 0:
             teardown.release()  # no part in this generation: no first step to wait for
             continue
-        outcome = run_one(link, beat, gp, faults, teardown)
+        outcome = run_one(link, beat, gp, env, teardown)
         fault = link.fault
         _log(f"generation {gp.generation} {outcome.kind} at step {outcome.step}")
 

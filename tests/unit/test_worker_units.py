@@ -10,14 +10,17 @@ from pathlib import Path
 import pytest
 
 from parallel.job import FaultConfig, loads
+from parallel.planner import NodeInfo, plan_generation
 from proto.ultrascale.v1 import agent_pb2 as pb
+from tests.unit.test_metrics import JOB
 from trainer.agent_link import rpc_timeout
 from trainer.agreement import Action, Agreement, decide
 from trainer.driver import checkpoint_root
 from trainer.failure_kind import classify_failure
 from trainer.fault_injection import FaultInjection
 from trainer.heartbeat import Heartbeat
-from trainer.worker import next_backoff, store_prefix
+from trainer.worker import next_backoff
+from trainer.world import GenerationSpec, WorkerEnv
 
 pytestmark = pytest.mark.unit
 
@@ -116,8 +119,29 @@ def test_backoff_doubles_and_is_capped():
 
 
 def test_store_prefix_falls_back_to_the_generation():
-    assert store_prefix(pb.GenerationPlan(generation=4, store_prefix="run-x/4")) == "run-x/4"
-    assert store_prefix(pb.GenerationPlan(generation=4)) == "generation/4"
+    env = WorkerEnv(node="n", local_rank=0, agent_socket="")
+    plan = plan_generation(loads(JOB), [NodeInfo("n", 1)], 4, ("h", 1))
+
+    def spec(prefix: str) -> GenerationSpec:
+        gp = pb.GenerationPlan(generation=4, plan_json=plan.to_json(), store_prefix=prefix)
+        return GenerationSpec.of(gp, env)
+
+    assert spec("run-x/4").store_prefix == "run-x/4"
+    assert spec("").store_prefix == "generation/4"
+    assert spec("").plan == plan
+
+
+def test_the_worker_environment_is_read_once_into_a_typed_description(tmp_path):
+    env = WorkerEnv.from_environ({
+        "ULTRA_NODE_ID": "n1", "ULTRA_LOCAL_RANK": "3", "ULTRA_AGENT_SOCKET": "/s",
+        "ULTRA_SNAPSHOT_ROOT": str(tmp_path), "ULTRA_WORKER_THREADS": "2",
+        "ULTRA_FAULT_FAIL_AT_STEP": "5", "ULTRA_FAULT_NAN_STEPS": "2-3"})
+    assert (env.node, env.local_rank, env.agent_socket, env.snapshot_root, env.threads) == \
+        ("n1", 3, "/s", tmp_path, 2)
+    assert env.faults is not None and env.faults.fail_at_step == 5
+    assert env.nonfinite is not None and (env.nonfinite.first, env.nonfinite.last) == (2, 3)
+    bare = WorkerEnv.from_environ({})
+    assert (bare.snapshot_root, bare.faults, bare.nonfinite, bare.threads) == (None, None, None, 1)
 
 
 @pytest.mark.parametrize(
