@@ -86,24 +86,15 @@ class Link:
         return owner.get, self.key, self.value  # `get`: a defaultdict stays as it is
 
 
-@dataclass(frozen=True)
-class Watch:
-    """A live tensor the views alias, as the build found it: its local memory starts at
-    `address`."""
-
-    tensor: torch.Tensor
-    address: int
-
-
-def _live(state: TrainState) -> dict[int, tuple[tuple[Link, ...], Watch]]:
+def _live(state: TrainState) -> dict[int, tuple[tuple[Link, ...], torch.Tensor]]:
     """Every parameter, buffer and optimizer state tensor by its storage: the links that reach
-    it from `state` and its memory. The first way found wins (a tied weight has several)."""
-    found: dict[int, tuple[tuple[Link, ...], Watch]] = {}
+    it from `state`, and the tensor. The first way found wins (a tied weight has several)."""
+    found: dict[int, tuple[tuple[Link, ...], torch.Tensor]] = {}
 
     def add(tensor: torch.Tensor, links: tuple[Link, ...]) -> None:
         ptr = _storage(tensor)
         if ptr not in found:
-            found[ptr] = (links, Watch(tensor, _local(tensor).data_ptr()))
+            found[ptr] = (links, tensor)
 
     def walk(module: torch.nn.Module, links: tuple[Link, ...]) -> None:
         for table in (module._parameters, module._buffers):  # noqa: SLF001
@@ -180,7 +171,7 @@ def build(state: TrainState, flat: dict[str, Any], items: list[tuple[Any, Any, b
     live = _live(state)
     groups = _groups_by_parameter_storage(state)
     links: dict[tuple[int, Any], Link] = {}
-    watches: dict[int, Watch] = {}
+    watched: dict[int, torch.Tensor] = {}  # by storage: each live tensor the views alias
     reads: dict[Any, int] = {}  # a distinct byte value's key -> its index in `getters`
     getters: list[Callable[[], Any]] = []
     holders: list[list[int]] = []
@@ -205,17 +196,17 @@ def build(state: TrainState, flat: dict[str, Any], items: list[tuple[Any, Any, b
             ptr = _storage(data)
             if ptr not in live:
                 return None  # a copy DCP made: its values would never change again
-            way, watch = live[ptr]
+            way, tensor = live[ptr]
             if not length:
                 continue
             links.update(((id(link.owner), link.key), link) for link in way)
-            watches[ptr] = watch
+            watched[ptr] = tensor
             tensors.append((_memory_of(data), data))
-    watched = [(w.tensor, w.address) for w in watches.values()]
+    addresses = [(t, _local(t).data_ptr()) for t in watched.values()]  # where each starts now
     return ResolvedTemplate(
         links=tuple(link.check() for link in links.values()),
-        sharded=tuple((t, a) for t, a in watched if isinstance(t, DTensor)),
-        plain=tuple((t, a) for t, a in watched if not isinstance(t, DTensor)),
+        sharded=tuple((t, a) for t, a in addresses if isinstance(t, DTensor)),
+        plain=tuple((t, a) for t, a in addresses if not isinstance(t, DTensor)),
         reads=tuple(getters), holders=tuple(map(tuple, holders)), tensors=tuple(tensors))
 
 

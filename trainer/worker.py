@@ -22,10 +22,11 @@ each time it gets there; `ULTRA_FAULT_HANG_AT_STEP=N` makes it hang there (train
 
 Environment (set by the agent), read once at start into a `WorkerEnv` (trainer/world.py, where
 each generation's world is built from it and the agent's plan): ULTRA_AGENT_SOCKET,
-ULTRA_LOCAL_RANK, ULTRA_NODE_ID, ULTRA_WORKER_THREADS, ULTRA_SNAPSHOT_ROOT (where this node's
-in-memory snapshots live; unset: none are taken), the fault injections; and, read where they
-act, ULTRA_AGENT_PID (trainer.agent_death) and ULTRA_STACKS_FD (where SIGUSR1 dumps the Python
-stacks, trainer.stack_dump).
+ULTRA_LOCAL_RANK, ULTRA_NODE_ID, ULTRA_SNAPSHOT_ROOT (where this node's in-memory snapshots
+live; unset: none are taken), the fault injections; and, read where they act,
+ULTRA_WORKER_THREADS (before torch runs anything, the standby's too), ULTRA_AGENT_PID
+(trainer.agent_death) and ULTRA_STACKS_FD (where SIGUSR1 dumps the Python stacks,
+trainer.stack_dump).
 """
 
 from __future__ import annotations
@@ -226,6 +227,7 @@ def next_backoff(previous: float | None, fault: FaultConfig) -> float:
 def main() -> int:
     die_with_agent()  # again: also without ULTRA_AGENT_PID (a test's own launcher)
     answer_stack_requests()
+    torch.set_num_threads(int(os.environ.get("ULTRA_WORKER_THREADS", "1")))
     freeze_import_heap()
     teardown = Teardown()
     teardown.refresh()  # now, not between a failure and the next join
@@ -237,7 +239,6 @@ def main() -> int:
             return 0
         _log(f"standby: taking local rank {role}")
     env = WorkerEnv.from_environ(os.environ)  # the standby's, once it took its rank
-    torch.set_num_threads(env.threads)
     name_process(f"ultra-w{env.local_rank}")
     link = AgentLink(env.agent_socket, env.local_rank)
     beat = Heartbeat(link.heartbeat, _log).start()

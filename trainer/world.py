@@ -36,7 +36,6 @@ class WorkerEnv:
     local_rank: int  # ULTRA_LOCAL_RANK
     agent_socket: str  # ULTRA_AGENT_SOCKET
     snapshot_root: Path | None = None  # ULTRA_SNAPSHOT_ROOT: None, this agent keeps none
-    threads: int = 1  # ULTRA_WORKER_THREADS
     faults: FaultInjection | None = None  # ULTRA_FAULT_FAIL_AT_STEP, ..._HANG_AT_STEP
     nonfinite: NonFiniteInjection | None = None  # ULTRA_FAULT_NAN_STEPS, ...
 
@@ -47,7 +46,6 @@ class WorkerEnv:
                    local_rank=int(env.get("ULTRA_LOCAL_RANK", "0")),
                    agent_socket=env.get("ULTRA_AGENT_SOCKET", ""),
                    snapshot_root=Path(root) if root else None,
-                   threads=int(env.get("ULTRA_WORKER_THREADS", "1")),
                    faults=FaultInjection.from_env(env),
                    nonfinite=NonFiniteInjection.from_env(env))
 

@@ -70,7 +70,5 @@ def decode(kind: str, raw: bytes) -> Any:
         if kind == "leader":
             return raw.decode()
         return RECORDS[kind].from_json(raw)
-    except KeyError:
-        raise
     except (PlanError, ValueError, TypeError, AttributeError) as exc:
         raise MalformedRecord(f"{kind}: {exc}") from None

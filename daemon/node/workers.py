@@ -127,19 +127,20 @@ class NodeWorkers:
             return
         self.on_worker_failure(exit_.local_rank, failure.generation, failure.kind,
                                failure.step, failure.message, stacks=hung[1] if hung else "")
-        actions = decide_node(self.facts())  # without the worker that exited
+        actions = decide_node(facts)  # taken after the worker exited: its rank has none
         if actions.start:  # at once: the next generation will want this local rank again
             self._tasks.spawn(self._start(actions.start, actions.adopt),
                               f"respawn-{exit_.local_rank}", long_lived=False)
 
     async def _kill_hung(self, local_rank: int, reason: str, generation: int) -> None:
-        verdict = Hung(local_rank, reason, generation)
-        for hung in decide_node(self.facts((verdict,))).kill:
-            # Asking takes a bounded wait; None: the worker exited meanwhile (an exit then).
-            stacks = await self.supervisor.ask_stacks(local_rank) if self.supervisor else None
-            if stacks is not None and self.supervisor is not None:
-                self._hung[local_rank] = (hung, stacks)
-                await self.supervisor.stop([local_rank], grace=0)
+        hung = Hung(local_rank, reason, generation)
+        if self.supervisor is None or not decide_node(self.facts((hung,))).kill:
+            return  # its worker is gone already: that exit is reported as one
+        # Asking takes a bounded wait; None: the worker exited meanwhile (an exit then).
+        stacks = await self.supervisor.ask_stacks(local_rank)
+        if stacks is not None:
+            self._hung[local_rank] = (hung, stacks)
+            await self.supervisor.stop([local_rank], grace=0)
 
     # -- the worker service's host (daemon/node/worker_service.py) -------------------------------
 

@@ -134,14 +134,14 @@ def test_store_prefix_falls_back_to_the_generation():
 def test_the_worker_environment_is_read_once_into_a_typed_description(tmp_path):
     env = WorkerEnv.from_environ({
         "ULTRA_NODE_ID": "n1", "ULTRA_LOCAL_RANK": "3", "ULTRA_AGENT_SOCKET": "/s",
-        "ULTRA_SNAPSHOT_ROOT": str(tmp_path), "ULTRA_WORKER_THREADS": "2",
+        "ULTRA_SNAPSHOT_ROOT": str(tmp_path),
         "ULTRA_FAULT_FAIL_AT_STEP": "5", "ULTRA_FAULT_NAN_STEPS": "2-3"})
-    assert (env.node, env.local_rank, env.agent_socket, env.snapshot_root, env.threads) == \
-        ("n1", 3, "/s", tmp_path, 2)
+    assert (env.node, env.local_rank, env.agent_socket, env.snapshot_root) == \
+        ("n1", 3, "/s", tmp_path)
     assert env.faults is not None and env.faults.fail_at_step == 5
     assert env.nonfinite is not None and (env.nonfinite.first, env.nonfinite.last) == (2, 3)
     bare = WorkerEnv.from_environ({})
-    assert (bare.snapshot_root, bare.faults, bare.nonfinite, bare.threads) == (None, None, None, 1)
+    assert (bare.snapshot_root, bare.faults, bare.nonfinite) == (None, None, None)
 
 
 @pytest.mark.parametrize(
