@@ -2,8 +2,9 @@
 
 DCP's `get_state_dict` needs the optimizer's state to exist before it can be loaded into, and
 creates a missing one by running a whole optimizer step on zero gradients. On a freshly formed
-world (DTensor's sharding caches empty after `trainer.teardown.leave_world`) that step propagated
-54 distinct DTensor ops here and took 0.25 s of a 0.35 s restore. The state a load overwrites
+world (DTensor's sharding caches empty after `trainer.teardown.leave_world`) that step propagates
+dozens of distinct DTensor ops and was most of a restore (docs/architecture.md, "Costs behind
+the code"). The state a load overwrites
 only needs the right keys, shapes, dtypes and placements, which `zeros_like` gives directly.
 """
 

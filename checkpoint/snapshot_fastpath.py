@@ -3,7 +3,7 @@
 A rewrite (`snapshot_writer.rewrite_snapshot`) writes the same items at the same offsets every
 step. Most of its cost was not the copy but finding the items again: `get_state_dict` over the
 model and the optimizer, then DCP's planner flattening the result and narrowing every tensor to
-its chunk, about two thirds of 13 ms per rank per step on the small job.
+its chunk: most of a rewrite's time (docs/architecture.md, "Costs behind the code").
 
 Those lookups give the same answer every step as long as the training updates its tensors in
 place, which parameters and optimizer moments are. So after a rewrite has resolved the items

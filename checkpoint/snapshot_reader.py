@@ -14,10 +14,11 @@ snapshot whose checksums match is refused like a corrupt one and nothing in it r
 
 DCP runs with `no_dist`: a load plan is local to its rank anyway (a rank reads what its own
 shards need), and DCP's own coordination, gathering every rank's plan to rank 0, scattering
-it back and gathering the outcome as pickled objects, took about 60 ms of a 0.1 s restore on
-the recovery benchmark. Two all-reduces of one number replace it: the agreement above, and one
-on the outcome once the tensors are written, so every rank takes the same branch (a failure of
-any is the failure of all, with every failing rank's reason).
+it back and gathering the outcome as pickled objects, was more than half of a restore on the
+recovery benchmark (docs/architecture.md, "Costs behind the code"). Two all-reduces of one
+number replace it: the agreement above, and one on the outcome once the tensors are written, so
+every rank takes the same branch (a failure of any is the failure of all, with every failing
+rank's reason).
 """
 
 from __future__ import annotations
@@ -330,8 +331,8 @@ class SnapshotReader(StorageReader):
 
 class SnapshotLoadPlanner(SafeLoadPlanner):
     """DCP's default load planner, taking a byte item's value as the reader unpickled it: a
-    snapshot stores plain pickles, and a round trip through torch.save/torch.load cost 0.2 ms for
-    each of the optimizer's hundreds of hyper-parameter entries. With a `reader`, a plan that cannot be
+    snapshot stores plain pickles, and a round trip through torch.save/torch.load for each of the
+    optimizer's hundreds of hyper-parameter entries adds up. With a `reader`, a plan that cannot be
     made (the snapshot lacks a key of the state, or the reader already failed) is an empty one
     and the reader's failure, so that the rank still reaches the agreement."""
 
@@ -411,7 +412,7 @@ def local_first_fetch(root: Path, step: int, remote: Fetch) -> Fetch:
     """A fetch that reads what this node's shared memory holds straight from it and asks
     `remote` (the agent, which reads a peer's memory) for the rest, in one call. The bytes are
     raw either way, as the agent serves them: the reader verifies everything it uses. A
-    restoring worker reads most of its bytes locally, and a gRPC round trip cost it ~2 ms."""
+    restoring worker reads most of its bytes locally, without a gRPC round trip for them."""
 
     def fetch(ranges: Sequence[Range]) -> list[bytes]:
         held = [read_held(root, step, r.file, r.offset, r.length) for r in ranges]

@@ -254,7 +254,7 @@ class SnapshotWriter(StorageWriter):
                              f"its {size} bytes")
         # One pwritev(2) for the whole shard, straight from the tensors' memory: a kernel
         # copy into tmpfs pages, no system call per item. (Copying into an mmap of the file
-        # was measured ~2x slower: it faults every page in.)
+        # is slower: it faults every page in.)
         pwritev_all(fd, buffers)
         started = time.perf_counter()
         chunks = chunk_checksums_of(buffers)
@@ -292,7 +292,7 @@ class SnapshotWriter(StorageWriter):
 
 def _pickled(planner: SavePlanner, item: Any, resolved: Any) -> bytes:
     """A byte item as a plain pickle of its value: DCP's own form (a torch.save zip per item)
-    costs about half a millisecond each, and an optimizer has a dozen per parameter."""
+    builds a zip archive for each, and an optimizer has a dozen per parameter."""
     lookup = getattr(planner, "lookup_object", None)
     if lookup is not None:
         return pickle.dumps(lookup(item.index))

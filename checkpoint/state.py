@@ -65,8 +65,8 @@ class TrainState(Stateful):
         self.progress = progress
         # Where each tensor of the model state dict last handed out starts, when all are views
         # of the module's memory (as FSDP2, DTensor and plain modules give them). DCP loads into
-        # those tensors in place; copying them onto the parameters again cost a restore ~25 ms
-        # of DTensor dispatch. Addresses only: no reference to a tensor (and its mesh) is kept.
+        # those tensors in place; copying them onto the parameters again would cost a restore
+        # DTensor dispatch. Addresses only: no reference to a tensor (and its mesh) is kept.
         self._model_starts: dict[str, int] | None = None
 
     def state_dict(self) -> dict[str, Any]:

@@ -44,7 +44,7 @@ def version() -> str:
     found = version_from_pyproject(PYPROJECT)
     if found is not None:
         return found
-    import importlib.metadata  # 50 ms: only where there is no pyproject.toml
+    import importlib.metadata  # slow to import: only where there is no pyproject.toml
 
     try:
         return importlib.metadata.version(DISTRIBUTION)

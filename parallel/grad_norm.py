@@ -2,8 +2,8 @@
 
 `torch.nn.utils.get_total_norm` on DTensor gradients dispatches every norm, stack and scale
 through DTensor. Each distinct op and layout costs a sharding propagation the first time a mesh
-sees it, and those caches start empty in every new world: about 0.2 s of the first step after
-each recovery on the recovery benchmark's job. Here each rank sums the squares of its local
+sees it, and those caches start empty in every new world: a large part of the first step after
+each recovery (docs/architecture.md, "Costs behind the code"). Here each rank sums the squares of its local
 shards and all-reduces the sums over the mesh dimensions each gradient is sharded on, once per
 distinct (mesh, sharded dimensions): the same norm, up to float rounding, with no DTensor op.
 """

@@ -4,8 +4,8 @@ AdamW's update is elementwise: for a parameter whose gradient and moments are sh
 it is (FSDP2's Shard(0), tensor parallelism's Shard/Replicate, never Partial), DTensor runs each
 of the update's ops on the local shards and nothing else. Dispatching those ops through DTensor
 costs a sharding propagation per op and tensor layout, which is cached per mesh: the first step
-of every new world (every recovery) paid about 60 of them, 0.25 s of a 0.45 s first step on the
-recovery benchmark's job, and each warm step still pays the dispatch.
+of every new world (every recovery) paid dozens of them, most of that step's time, and each warm
+step still pays the dispatch (docs/architecture.md, "Costs behind the code").
 
 `ShardLocalAdamW` hands torch's own AdamW implementation the local shards instead, so the same
 ops run on the same local data: the result is bit-identical to `torch.optim.AdamW` on the

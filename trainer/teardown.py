@@ -9,16 +9,16 @@ torch.distributed does. This depends on torch internals, so it
 lives in this module and a test checks threads, fds and sockets return to baseline.
 
 The collections that free the old world must traverse every object the process holds, and after
-`import torch` that is hundreds of thousands of them: two full collections took 0.6 s of a
-surviving worker's 0.7 s teardown here. `freeze_import_heap` moves what exists at start-up (the
-imported modules, never a generation's state) out of the collector's reach, which brings the
-teardown to about 0.1 s.
+`import torch` that is hundreds of thousands of them: two full collections were most of a
+surviving worker's teardown. `freeze_import_heap` moves what exists at start-up (the imported
+modules, never a generation's state) out of the collector's reach; what is left of the teardown
+is mostly the freeing itself (docs/architecture.md, "Costs behind the code").
 
-That 0.1 s is mostly the freeing itself, and until it happens the old world's gloo connections
+Until that freeing happens the old world's gloo connections
 stay open: gloo has no abort, it closes a group's connections only when the group is freed. A
 peer blocked on this rank (one whose collective waits for data from it, not from the dead rank)
-would learn of the failure only then. On the recovery benchmark, one survivor in two runs of
-five failed 80 ms after the other for that reason, and the leader waits for both. So a worker
+would learn of the failure only then, later than the other survivors (the recovery benchmark
+showed it), and the leader waits for every report. So a worker
 whose gloo world failed first severs its connections (`sever_connections`): the peers' reads
 then fail at once, as they would if this process had died, and the teardown follows.
 

@@ -5,15 +5,18 @@ peer broke, the check that the leader's agent is alive (daemon/control/leader_fa
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
+from collections.abc import Callable
 
-from daemon.control.etcd_client import Etcd
+from daemon.control.etcd_client import ETCD_ERRORS, Etcd
 from daemon.control.keys import Keys
 from daemon.control.leader_failover import Probe, revoke_dead_leader
 from daemon.control.records import ControlOp, ControlRequest, FailureKind
-from daemon.control.requests import put_until_acknowledged
 from daemon.control.view import ClusterView
-from daemon.tasks import TaskSupervisor
+from daemon.tasks import Backoff, TaskSupervisor
+
+log = logging.getLogger(__name__)
 
 
 class FailureReports:
@@ -37,3 +40,17 @@ class FailureReports:
             self._leader_checked = generation  # once per broken generation
             self.tasks.spawn(revoke_dead_leader(self.view, self.etcd, self.keys, self.probe,
                                                 self.node), "leader-check", long_lived=False)
+
+
+async def put_until_acknowledged(etcd: Etcd, key: bytes, request: ControlRequest,
+                                 still_wanted: Callable[[], bool]) -> None:
+    """Put `request`, retried until etcd acknowledges it or `still_wanted()` turns false."""
+    backoff = Backoff(initial=0.1, maximum=2.0)
+    while still_wanted():
+        try:
+            await etcd.put(key, request.to_json())
+            return
+        except ETCD_ERRORS as exc:
+            log.warning("request %s not recorded yet (%s); retrying", key.decode(errors="replace"),
+                        type(exc).__name__)
+            await backoff.sleep()
