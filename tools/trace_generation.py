@@ -6,7 +6,9 @@ Runs the recovery benchmark's job once (`bench.recovery`, arm `ultrad-kill-worke
 nodes, one worker each; the worker of a node that does not lead is killed) with every agent and
 worker recording its calls into this repository's files (tools/call_recorder.py, armed through
 tools/trace_hook/sitecustomize.py). Then it follows, on the third node (a survivor that does
-not lead, whose agent learns of a new generation from its etcd watch alone):
+not lead, whose agent learns of a new generation from its etcd watch alone; the generation's
+path is followed on the other two nodes as well, the victim's worker being the standby that took
+the killed worker's rank):
 
 - the new generation g+1: the agent's watch task, resumed with the batch that holds g+1's
   plan, up to the view waking its waiters; the `GetGeneration` handler of the surviving worker,
@@ -162,14 +164,15 @@ class Segment:
         """Calls from the main line's frames that are alive in the window (the handoff's stack:
         the frames it returns through are gone) into other files, in the segment's window."""
         alive = {f.id: f for f in self.handoff.stack}
-        line = {f.id for f in self.main_line()}
+        # A coroutine on either stack, resumed, is a call event too, and no side trip.
+        stacks = {f.id for f in self.receive.stack + self.handoff.stack}
         trips: list[Frame] = []
         for c in self.process.calls:
             if c.event != "call" or not self.receive.t < c.t < self.handoff.t:
                 continue
             caller = alive.get(c.caller)
             if caller is not None and caller.function == c.caller_function \
-                    and c.file != caller.file and c.frame not in line:
+                    and c.file != caller.file and c.frame not in stacks:
                 trips.append(Frame(c.frame, c.file, c.function))
         return trips
 
@@ -332,6 +335,7 @@ def main(argv: list[str] | None = None) -> int:
     node = next(n for n in ("node-0", "node-1", "node-2")
                 if n not in (res.extra["victim"], leader))
     processes = load(traces)
+    victim = res.extra["victim"]
     texts, found = [], {}
     try:
         for name, title, segs in (
@@ -344,6 +348,17 @@ def main(argv: list[str] | None = None) -> int:
             text, files, again = report(title, segs)
             texts.append(text)
             found[name] = {"files": files, "returns": again}
+        # The same generation on the other two nodes: the leader's, and the victim's, whose
+        # worker is the standby that took the killed worker's rank.
+        others = []
+        for other, role in ((leader, "the leader's node"),
+                            (victim, "the victim's node, its standby worker")):
+            _, files, again = report("", generation_path(processes, other, generation))
+            found[f"generation on {role}"] = {"node": other, "files": files, "returns": again}
+            others.append(f"  {other} ({role}): {len(files)} files, {len(again)} returns: "
+                          + " -> ".join(files))
+        texts.append(f"generation {generation} on the other nodes, the same way:\n"
+                     + "\n".join(others))
     except (LookupError, StopIteration) as exc:
         print(f"could not follow a path: {exc}; traces in {traces}", file=sys.stderr)
         return 1

@@ -53,6 +53,21 @@ def test_side_trips_come_from_live_main_line_frames_inside_the_window() -> None:
     assert [(f.file, f.function) for f in seg.side_trips()] == [("world.py", "build")]
 
 
+def test_a_resumed_coroutine_above_the_line_is_no_side_trip() -> None:
+    # Alive on both stacks, above the frame where the line turns (LOOP): resuming the task
+    # resumes them too, each a call event from the one above it.
+    root, outer = Frame(8, "boot.py", "start"), Frame(9, "outer.py", "serve")
+    receive = call(10, "link.py", "ask", 11, event="return", stack=(root, outer, LOOP, ASK))
+    handoff = call(50, "loop.py", "step", 13, stack=(root, outer, LOOP, RUN, STEP))
+    proc = Process(1, {}, [
+        call(20, "outer.py", "serve", 9, caller=8, caller_function="start"),  # resumed
+        call(21, "util.py", "helper", 30, caller=8, caller_function="start"),  # a real trip
+    ])
+    seg = Segment(proc, receive, handoff, "")
+    assert [f.file for f in seg.main_line()] == ["link.py", "w.py", "gen.py", "loop.py"]
+    assert [f.file for f in seg.side_trips()] == ["util.py"]
+
+
 def test_returns_are_files_entered_again_after_another() -> None:
     assert returns(["a", "b", "c"]) == []
     assert returns(["a", "a", "b"]) == []
