@@ -6,7 +6,7 @@ profiled too), then profiles every thread with `sys.setprofile`. Each call into 
 repository (tools/ and .venv excluded) becomes one JSON line in `<directory>/<pid>.jsonl`:
 time (CLOCK_MONOTONIC, shared by the processes of one host), thread, the frame and its
 caller's frame, file and function (a coroutine's resumption is a call too). At the
-waypoints that tools/trace_generation.py follows (file and function, at a call or a return)
+waypoints that tools/trace_generation.py follows (tools/waypoints.py: a call or a return)
 the line also carries the stack of this repository's frames, the type of the returned value,
 and the generation (and node) that the returned value or a local names.
 """
@@ -24,32 +24,14 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
+from tools.waypoints import WAYPOINTS, Where
+
 ROOT = Path(__file__).resolve().parent.parent
 ENTRY_MODULES = frozenset({"daemon.agent", "trainer.generation"})
-# file (relative to ROOT), function qualname -> the event at which to take the stack
-WAYPOINTS: dict[tuple[str, str], str] = {
-    ("daemon/control/schema.py", "decode"): "return",
-    ("daemon/control/view.py", "ClusterView.run"): "call",  # resumed by each watch batch
-    ("daemon/control/view.py", "ClusterView._notify"): "call",
-    ("daemon/control/view.py", "ClusterView.wait_for"): "call",
-    ("daemon/control/leader.py", "Leader._on_view"): "call",
-    ("daemon/control/leader.py", "Leader._lead"): "call",
-    ("daemon/control/decide.py", "decide"): "call",
-    ("daemon/control/failure_reports.py", "FailureReports.report"): "call",
-    ("daemon/control/failure_reports.py", "put_until_acknowledged"): "call",
-    ("daemon/control/etcd_client.py", "Etcd.put"): "call",
-    ("daemon/node/worker_service.py", "WorkerControlService.GetGeneration"): "return",
-    ("daemon/node/worker_service.py", "WorkerControlService.ReportFailure"): "call",
-    ("trainer/agent_link.py", "AgentLink.next_generation"): "return",
-    ("trainer/agent_link.py", "AgentLink.report_failure"): "call",
-    ("trainer/generation.py", "Generation.run"): "return",
-    ("trainer/loop.py", "Trainer.train_step"): "call",
-}
-
 
 class Recorder:
     def __init__(self, directory: Path,
-                 waypoints: dict[tuple[str, str], str] | None = None) -> None:
+                 waypoints: dict[Where, str] | None = None) -> None:
         self.waypoints = WAYPOINTS if waypoints is None else waypoints
         self.out = (directory / f"{os.getpid()}.jsonl").open("w", buffering=1 << 16)
         self.files: dict[str, str | None] = {}  # co_filename -> path relative to ROOT, or None

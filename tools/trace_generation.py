@@ -41,26 +41,28 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from tools.waypoints import (
+    DECIDE,
+    ETCD_PUT,
+    FAILURE_REPORT,
+    GENERATION_RUN,
+    GET_GENERATION,
+    LEADER_LOOP,
+    LEADER_ON_VIEW,
+    NEXT_GENERATION,
+    PUT_REQUEST,
+    REPORT_FAILURE,
+    REPORT_FAILURE_CALL,
+    SCHEMA_DECODE,
+    TRAIN_STEP,
+    VIEW_NOTIFY,
+    VIEW_RUN,
+    VIEW_WAIT,
+    Where,
+)
+
 ROOT = Path(__file__).resolve().parent.parent
 HOOK_DIR = ROOT / "tools" / "trace_hook"
-
-SCHEMA_DECODE = ("daemon/control/schema.py", "decode")
-VIEW_RUN = ("daemon/control/view.py", "ClusterView.run")
-VIEW_NOTIFY = ("daemon/control/view.py", "ClusterView._notify")
-VIEW_WAIT = ("daemon/control/view.py", "ClusterView.wait_for")
-LEADER_ON_VIEW = ("daemon/control/leader.py", "Leader._on_view")
-LEADER_LOOP = ("daemon/control/leader.py", "Leader._lead")
-DECIDE = ("daemon/control/decide.py", "decide")
-FAILURE_REPORT = ("daemon/control/failure_reports.py", "FailureReports.report")
-PUT_REQUEST = ("daemon/control/failure_reports.py", "put_until_acknowledged")
-ETCD_PUT = ("daemon/control/etcd_client.py", "Etcd.put")
-GET_GENERATION = ("daemon/node/worker_service.py", "WorkerControlService.GetGeneration")
-REPORT_FAILURE = ("daemon/node/worker_service.py", "WorkerControlService.ReportFailure")
-NEXT_GENERATION = ("trainer/agent_link.py", "AgentLink.next_generation")
-REPORT_FAILURE_CALL = ("trainer/agent_link.py", "AgentLink.report_failure")
-GENERATION_RUN = ("trainer/generation.py", "Generation.run")
-TRAIN_STEP = ("trainer/loop.py", "Trainer.train_step")
-
 
 @dataclass(frozen=True)
 class Frame:
@@ -87,7 +89,7 @@ class Call:
     value: str = ""  # the returned value's type, at a return
 
     @property
-    def where(self) -> tuple[str, str]:
+    def where(self) -> Where:
         return self.file, self.function
 
     @classmethod
@@ -109,11 +111,11 @@ class Process:
         argv = self.header["argv"]
         return argv[argv.index("--node-id") + 1] if "--node-id" in argv else ""
 
-    def points(self, where: tuple[str, str], event: str = "call") -> list[Call]:
+    def points(self, where: Where, event: str = "call") -> list[Call]:
         """The waypoint records of `where` at `event`, in time order."""
         return [c for c in self.calls if c.where == where and c.event == event and c.stack]
 
-    def first(self, where: tuple[str, str], event: str = "call", after: int = 0,
+    def first(self, where: Where, event: str = "call", after: int = 0,
               generation: int | None = None, value: str = "", node: str = "",
               within: int | None = None) -> Call:
         """The first waypoint record that matches; `within`: its stack holds that frame."""
@@ -125,7 +127,7 @@ class Process:
         raise LookupError(f"process {self.pid}: no {event} of {where[0]}:{where[1]}"
                           + (f" for generation {generation}" if generation is not None else ""))
 
-    def last(self, where: tuple[str, str], before: Call, within: int) -> Call:
+    def last(self, where: Where, before: Call, within: int) -> Call:
         """The last call of `where` before `before` whose stack holds frame `within`: where a
         task that `before` ends was last resumed."""
         found = [c for c in self.points(where) if c.t <= before.t
@@ -231,7 +233,7 @@ def _agent(processes: dict[int, Process], node: str) -> Process:
     return next(p for p in processes.values() if p.agent_node == node)
 
 
-def _watch(agent: Process, decoded: Call, handoff: tuple[str, str], how: str) -> Segment:
+def _watch(agent: Process, decoded: Call, handoff: Where, how: str) -> Segment:
     """The agent's watch task: from its resumption with the batch that holds `decoded`'s record
     to the view's hand-off."""
     run = next(f for f in decoded.stack if f.function == "ClusterView.run")

@@ -186,13 +186,13 @@ class Leader:
         """The debounce, cut short once the running generation's failure is fully reported.
 
         When a generation breaks, each of its members either reports (its workers' collectives
-        failed) or is dead. Once every member has done one or the other there is no report left
-        to wait for: the members that have not reported are probed at once, and the wait ends
-        when the rest have. Any other change (a join, say) waits out the whole debounce, unless
-        a failure report arrives meanwhile: a wake for routine news (rank 0's progress, twice a
-        second) would otherwise hold a failure that follows it for up to the whole debounce.
+        failed) or is dead, within a debounce of the first report. Once every member has done
+        one or the other there is no report left to wait for: the members that have not
+        reported are probed at once, and the wait ends when the rest have. Any other change (a
+        join, say) waits out the whole debounce, unless a failure report arrives meanwhile: a
+        wake for routine news (rank 0's progress, twice a second) would otherwise hold a
+        failure that follows it for up to the whole debounce.
         """
-        deadline = time.monotonic() + self.debounce_s
         plan = self.view.plan
         if plan is None:
             await asyncio.sleep(self.debounce_s)
@@ -200,6 +200,10 @@ class Leader:
         if not self._reported(plan.generation) and not await self.view.wait_for(
                 lambda: bool(self._reported(plan.generation)), timeout=self.debounce_s):
             return
+        # From the first report, not from the wake: a report that comes at the end of a
+        # routine wake's debounce still gives its peers' reports (a storage failure that broke
+        # the world, say, which a peer's report alone would be retried for) the whole window.
+        deadline = time.monotonic() + self.debounce_s
         dead: set[str] = set()
 
         def accounted() -> bool:
