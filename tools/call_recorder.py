@@ -29,6 +29,7 @@ from tools.waypoints import WAYPOINTS, Where
 ROOT = Path(__file__).resolve().parent.parent
 ENTRY_MODULES = frozenset({"daemon.agent", "trainer.generation"})
 
+
 class Recorder:
     def __init__(self, directory: Path,
                  waypoints: dict[Where, str] | None = None) -> None:
