@@ -5,6 +5,7 @@ from __future__ import annotations
 from types import MappingProxyType
 
 from models.llama import SPEC as LLAMA
+from models.model_config import ConfigError
 from models.moe import SPEC as MOE
 from models.spec import HFAdapter, ModelSpec, ParamCounts, ParamShape
 
@@ -14,8 +15,6 @@ SPECS = MappingProxyType({spec.name: spec for spec in (LLAMA, MOE)})
 
 
 def get_spec(family: str) -> ModelSpec:
-    from parallel.job import ConfigError
-
     try:
         return SPECS[family]
     except KeyError:

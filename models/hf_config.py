@@ -11,7 +11,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from parallel.job import ConfigError
+from models.model_config import ConfigError
 
 
 def hf_dir(path: str) -> Path:

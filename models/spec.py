@@ -21,8 +21,7 @@ if TYPE_CHECKING:
     from torch import nn
     from torch.distributed.device_mesh import DeviceMesh
 
-    from parallel.job import ModelConfig
-    from parallel.layout import Layout
+    from models.model_config import ModelConfig
 
 
 @dataclass(frozen=True)
@@ -113,8 +112,9 @@ class ModelSpec:
     # The single-device module on the meta device, and its initial weights from (seed, name).
     build: Callable[[ModelConfig], nn.Module]
     init_weights: Callable[[nn.Module, int], None]
-    # Shard a built module in place over the tp mesh (its TP/SP plan).
-    tensor_parallel: Callable[[nn.Module, Layout, DeviceMesh], None]
+    # Shard a built module in place over the tp mesh (its TP plan; with sequence parallelism
+    # when the flag says so).
+    tensor_parallel: Callable[[nn.Module, DeviceMesh, bool], None]
     # Cut a built module to the given stages: (global stage index, its layer indices), of
     # `n_stages`; returns one module per stage (pipeline split points).
     split_stages: Callable[[nn.Module, list[tuple[int, range]], int], list[nn.Module]]

@@ -18,72 +18,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, NewType, Union
 
+from models import get_spec
+from models.hf_config import with_pretrained_model
+
+# The [model] section and the spec's error are defined below the model families; the job
+# spec is where the rest of the code base imports them from.
+from models.model_config import ConfigError as ConfigError
+from models.model_config import ModelConfig as ModelConfig
 from parallel import bounded_toml, mesh_dims
-
-
-class ConfigError(ValueError):
-    """A job spec problem, always naming the field (`section.key`)."""
-
 
 # A field naming a file or directory the workers read or write: agents refuse a spec whose
 # paths lie outside the roots they allow (parallel.job_paths).
 JobPath = NewType("JobPath", str)
-
-
-@dataclass(frozen=True)
-class RopeScaling:
-    """Hugging Face's `rope_scaling` (`rope_parameters` in transformers 5): how RoPE frequencies
-    are stretched for long contexts (ops/rotary.py). `original_max_position_embeddings` 0 means
-    `model.max_position_embeddings`."""
-
-    rope_type: Literal["default", "linear", "llama3"] = "default"
-    factor: float = 1.0
-    low_freq_factor: float = 1.0
-    high_freq_factor: float = 4.0
-    original_max_position_embeddings: int = 0
-
-
-@dataclass(frozen=True)
-class ModelConfig:
-    """The model: a family registered in `models` and its fields, named as Hugging Face's
-    config of that family (`LlamaConfig` for "llama"); each family checks its own."""
-
-    family: str = "llama"
-    hidden_size: int = 128
-    intermediate_size: int = 384
-    num_hidden_layers: int = 8
-    num_attention_heads: int = 8
-    num_key_value_heads: int = 4
-    # 0: hidden_size / num_attention_heads (resolved on construction, as LlamaConfig does).
-    head_dim: int = 0
-    vocab_size: int = 256
-    max_position_embeddings: int = 2048
-    rope_theta: float = 10000.0
-    rope_scaling: RopeScaling = field(default_factory=RopeScaling)
-    rms_norm_eps: float = 1e-5
-    attention_bias: bool = False
-    # q, k and v biases without o_proj's (Qwen2-MoE's `qkv_bias`); attention_bias: all four.
-    qkv_bias: bool = False
-    mlp_bias: bool = False
-    tie_word_embeddings: bool = False
-    initializer_range: float = 0.02
-    # Mixture of experts (family "moe", models/moe; docs/moe.md). 0 experts: every MLP dense.
-    num_experts: int = 0  # routed experts per MoE layer (Mixtral's num_local_experts)
-    num_experts_per_tok: int = 2  # top-k
-    moe_intermediate_size: int = 0  # one expert's MLP width; 0: intermediate_size
-    num_shared_experts: int = 0  # experts every token passes through (DeepSeek's n_shared_experts)
-    first_k_dense_replace: int = 0  # the first k layers keep a dense MLP (DeepSeek's name)
-    moe_layer_freq: int = 1  # of the others, layer i is MoE when i % moe_layer_freq == 0
-    norm_topk_prob: bool = True  # renormalise the top-k routing weights to sum to 1
-    # Scale the shared experts' output by sigmoid(x · w), w an h -> 1 linear (Qwen2-MoE's).
-    shared_expert_gate: bool = False
-    router_aux_loss_coef: float = 0.001  # weight of the load-balancing loss (0: off)
-    # DeepSeek-V3's auxiliary-loss-free balancing: per-expert routing bias step (0: off).
-    router_bias_update_rate: float = 0.0
-
-    def __post_init__(self) -> None:
-        if self.head_dim == 0 and self.num_attention_heads > 0:
-            object.__setattr__(self, "head_dim", self.hidden_size // self.num_attention_heads)
 
 
 @dataclass(frozen=True)
@@ -397,8 +343,6 @@ def validate(cfg: JobConfig) -> None:
         value = getattr(getattr(cfg, section), key)
         if not isinstance(value, str) and value > limit:
             raise ConfigError(f"{name} must be <= {limit} (got {value})")
-    from models import get_spec  # models imports this module
-
     get_spec(m.family).validate(m)
     for key in ("steps", "global_batch", "seq_len"):
         _positive(f"train.{key}", getattr(t, key))
@@ -590,8 +534,6 @@ def loads(text: str, overrides: Sequence[str] = (), source: str = "<string>") ->
     merged = apply_overrides(raw, overrides)
     init = merged.get("init")
     if isinstance(init, Mapping) and init.get("hf"):
-        from models.hf_config import with_pretrained_model
-
         merged = with_pretrained_model(merged)
     return from_dict(merged)
 

@@ -15,8 +15,7 @@ if TYPE_CHECKING:
     from torch import nn
     from torch.distributed.device_mesh import DeviceMesh
 
-    from parallel.job import ModelConfig
-    from parallel.layout import Layout
+    from models.model_config import ModelConfig
 
 
 def _build(cfg: ModelConfig) -> nn.Module:
@@ -31,10 +30,10 @@ def _init_weights(model: nn.Module, seed: int) -> None:
     init_weights(model, seed)
 
 
-def _tensor_parallel(model: nn.Module, layout: Layout, tp_mesh: DeviceMesh) -> None:
+def _tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool) -> None:
     from models.llama.sharding import apply_tensor_parallel
 
-    apply_tensor_parallel(model, layout, tp_mesh)
+    apply_tensor_parallel(model, tp_mesh, sequence_parallel)
 
 
 def _split_stages(model: nn.Module, stages: list[tuple[int, range]], n_stages: int

@@ -8,8 +8,8 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
+from models.model_config import ConfigError, ModelConfig, RopeScaling
 from models.spec import HFTensor
-from parallel.job import ConfigError, ModelConfig, RopeScaling
 
 ROPE_TYPES = ("default", "linear", "llama3")
 

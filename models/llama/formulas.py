@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+from models.model_config import ModelConfig
 from models.spec import ParamCounts, ParamShape
-from parallel.job import ModelConfig
 
 
 def param_counts(model: ModelConfig) -> ParamCounts:

@@ -16,10 +16,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from models.model_config import ModelConfig
 from ops.attention import attention
 from ops.norm import RMSNorm
 from ops.rotary import RopeScalingParams, apply_rotary, rotary_tables
-from parallel.job import ModelConfig
 
 
 class Attention(nn.Module):

@@ -1,4 +1,5 @@
-"""Llama's tensor/sequence-parallel plan (parallel/tensor_parallel.py explains the styles).
+"""Llama's tensor/sequence-parallel plan (parallel/tensor_parallel.py explains the styles;
+models/tp_styles.py holds the ones torch lacks).
 
 - attention: q/k/v column-wise (each rank holds num_heads / tp query heads and
   num_key_value_heads / tp KV heads, so GQA stays local), o row-wise;
@@ -20,8 +21,7 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-from parallel.layout import Layout
-from parallel.tensor_parallel import norm_style
+from models.tp_styles import norm_style
 
 
 def block_plan(sp: bool) -> dict[str, ParallelStyle]:
@@ -70,11 +70,11 @@ def root_plan(model: nn.Module, sp: bool) -> dict[str, ParallelStyle]:
     return plan
 
 
-def apply_tensor_parallel(model: nn.Module, layout: Layout, tp_mesh: DeviceMesh) -> None:
+def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool) -> None:
     if model.cfg.tie_word_embeddings:
         # Row-wise embedding and column-wise head shard the shared matrix on different dims.
         raise ValueError("parallel.tp > 1 does not support model.tie_word_embeddings")
-    sp = layout.sequence_parallel
+    sp = sequence_parallel
     for block in model.layers.values():
         parallelize_module(block, tp_mesh, block_plan(sp))
     parallelize_module(model, tp_mesh, root_plan(model, sp))

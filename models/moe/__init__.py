@@ -16,8 +16,7 @@ if TYPE_CHECKING:
     from torch import nn
     from torch.distributed.device_mesh import DeviceMesh
 
-    from parallel.job import ModelConfig
-    from parallel.layout import Layout
+    from models.model_config import ModelConfig
 
 
 def _build(cfg: ModelConfig) -> nn.Module:
@@ -33,10 +32,10 @@ def _init_weights(model: nn.Module, seed: int) -> None:
     zero_expert_bias(model)
 
 
-def _tensor_parallel(model: nn.Module, layout: Layout, tp_mesh: DeviceMesh) -> None:
+def _tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool) -> None:
     from models.moe.sharding import apply_tensor_parallel
 
-    apply_tensor_parallel(model, layout, tp_mesh)
+    apply_tensor_parallel(model, tp_mesh, sequence_parallel)
 
 
 SPEC = ModelSpec(

@@ -7,7 +7,7 @@ Llama's dense SwiGLU or a routed mixture of `num_experts` SwiGLU experts (docs/m
 from __future__ import annotations
 
 from models.llama.config import validate_shape
-from parallel.job import ConfigError, ModelConfig
+from models.model_config import ConfigError, ModelConfig
 
 
 def expert_size(m: ModelConfig) -> int:

@@ -10,9 +10,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from models.llama import formulas as llama
+from models.model_config import ModelConfig
 from models.moe.config import expert_size, moe_layers
 from models.spec import ParamCounts, ParamShape
-from parallel.job import ModelConfig
 
 
 @dataclass(frozen=True)

@@ -15,9 +15,9 @@ from collections.abc import Mapping
 from typing import Any
 
 from models.llama.config import SHAPE_KEYS, shape_from_hf, shape_to_hf
+from models.model_config import ConfigError, ModelConfig
 from models.moe.config import expert_size, is_moe_layer, moe_layers
 from models.spec import HFTensor
-from parallel.job import ConfigError, ModelConfig
 
 MIXTRAL, QWEN2_MOE = "mixtral", "qwen2_moe"
 MODEL_TYPES = (MIXTRAL, QWEN2_MOE)

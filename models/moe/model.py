@@ -19,11 +19,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from models.llama.model import MLP, Llama
+from models.model_config import ModelConfig
 from models.moe import dispatch
 from models.moe.aux_loss import RouterAuxLoss
 from models.moe.config import expert_size, moe_layers
 from models.moe.router import route
-from parallel.job import ModelConfig
 
 
 def local_tensor(t: torch.Tensor) -> torch.Tensor:

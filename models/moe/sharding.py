@@ -17,8 +17,7 @@ from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
 
 from models.llama.sharding import block_plan, root_plan
 from models.moe.model import MoE
-from parallel.layout import Layout
-from parallel.tensor_parallel import ReplicateParallel
+from models.tp_styles import ReplicateParallel
 
 
 def moe_block_plan(block: nn.Module) -> dict[str, ParallelStyle]:
@@ -31,8 +30,8 @@ def moe_block_plan(block: nn.Module) -> dict[str, ParallelStyle]:
     return plan
 
 
-def apply_tensor_parallel(model: nn.Module, layout: Layout, tp_mesh: DeviceMesh) -> None:
-    if layout.sequence_parallel:
+def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool) -> None:
+    if sequence_parallel:
         raise ValueError("model.family \"moe\" does not support parallel.sequence_parallel yet")
     if model.cfg.tie_word_embeddings:
         raise ValueError("parallel.tp > 1 does not support model.tie_word_embeddings")

@@ -19,7 +19,7 @@ import daemon
 from daemon.cli import versioncmd
 from parallel import bounded_toml, cli_common
 from proto.ultrascale.v1 import agent_pb2 as pb
-from tests.unit.test_daemon_structure import repository_files
+from tests.unit.test_structure import repository_files
 
 pytestmark = pytest.mark.unit
 

@@ -1,6 +1,7 @@
-"""The daemon's shape: no import cycles, layers that only import downwards, a bottom that
-imports nothing above it, and a repository that stands alone (no references to documents
-outside it). Files are cut by concept, not by a line count."""
+"""The code base's shape: no import cycle among its modules or its packages, the daemon's
+layers importing only downwards and a bottom that imports nothing above it, and a repository
+that stands alone (no references to documents outside it). Files are cut by concept, not by a
+line count."""
 
 from __future__ import annotations
 
@@ -17,6 +18,9 @@ pytestmark = pytest.mark.unit
 
 REPO = Path(__file__).resolve().parents[2]
 DAEMON = REPO / "daemon"
+# Every package of the repository's own code.
+PACKAGES = ("bench", "checkpoint", "daemon", "models", "ops", "parallel", "proto", "tools",
+            "trainer")
 # Packages below the daemon: they must run (and be tested) without it.
 LIBRARIES = ("trainer", "parallel", "checkpoint", "ops")
 # What each daemon layer must not import (a prefix matches the module and everything below it).
@@ -70,21 +74,38 @@ def is_under(module: str, prefix: str) -> bool:
 
 
 @functools.cache
-def daemon_graph() -> dict[str, frozenset[str]]:
-    """Module → the daemon modules it imports (resolved to modules that exist)."""
-    files = {module_name(p): p for p in python_files(DAEMON)}
+def module_graph(packages: tuple[str, ...]) -> dict[str, frozenset[str]]:
+    """Module → the modules of `packages` it imports (resolved to modules that exist).
+
+    A module's own enclosing packages are left out: importing `a.b.c` runs `a/b/__init__.py`
+    first whatever `c` needs, so that edge says nothing about the design (a family's
+    `__init__` that imports its torch modules inside functions is not a cycle)."""
+    files = {module_name(p): p for pkg in packages for p in python_files(REPO / pkg)}
     graph: dict[str, frozenset[str]] = {}
     for module, path in files.items():
         targets: set[str] = set()
         for name in imported_modules(path):
-            if not is_under(name, "daemon"):
+            if not any(is_under(name, pkg) for pkg in packages):
                 continue
             while name not in files and "." in name:
                 name = name.rsplit(".", 1)[0]
-            if name in files and name != module:
+            if name in files and name != module and not is_under(module, name):
                 targets.add(name)
         graph[module] = frozenset(targets)
     return graph
+
+
+def daemon_graph() -> dict[str, frozenset[str]]:
+    return module_graph(("daemon",))
+
+
+def package_graph() -> dict[str, frozenset[str]]:
+    """Top-level package → the other top-level packages its modules import."""
+    graph: dict[str, set[str]] = {pkg: set() for pkg in PACKAGES}
+    for module, targets in module_graph(PACKAGES).items():
+        source = module.split(".")[0]
+        graph[source] |= {t.split(".")[0] for t in targets} - {source}
+    return {pkg: frozenset(targets) for pkg, targets in graph.items()}
 
 
 def find_cycle(graph: Mapping[str, Set[str]]) -> list[str] | None:
@@ -128,6 +149,27 @@ def test_the_import_graph_sees_the_daemon() -> None:
 def test_no_import_cycle_among_daemon_modules() -> None:
     cycle = find_cycle(daemon_graph())
     assert cycle is None, "import cycle: " + " -> ".join(cycle or ())
+
+
+def test_the_import_graph_sees_the_whole_repository() -> None:
+    graph = module_graph(PACKAGES)
+    assert "models.model_config" in graph["parallel.job"]
+    assert "models" in package_graph()["parallel"]
+    # the edge to a module's own package is left out, the one to a sibling is not
+    assert "models.moe" not in graph["models.moe.model"]
+    assert "models.moe.dispatch" in graph["models.moe.model"]
+
+
+def test_no_import_cycle_among_the_repositorys_modules() -> None:
+    cycle = find_cycle(module_graph(PACKAGES))
+    assert cycle is None, "import cycle: " + " -> ".join(cycle or ())
+
+
+def test_no_import_cycle_among_the_repositorys_packages() -> None:
+    # models sits below parallel: the model families import nothing of parallel/, which asks
+    # a family's spec for its plans (models/spec.py)
+    cycle = find_cycle(package_graph())
+    assert cycle is None, "packages import each other: " + " -> ".join(cycle or ())
 
 
 def test_daemon_layers_only_import_downwards() -> None:
