@@ -22,7 +22,6 @@ from daemon.api.servers import AgentIO
 from daemon.config import AgentConfig
 from daemon.control.election import Election
 from daemon.control.etcd_client import ETCD_ERRORS, Etcd
-from daemon.control.failure_reports import FailureReports
 from daemon.control.job_state import job_state
 from daemon.control.job_submit import offer_job_file
 from daemon.control.keys import Keys
@@ -32,11 +31,7 @@ from daemon.control.membership import Membership
 from daemon.control.node_requests import apply_node_requests
 from daemon.control.outage import outage_check, publish_etcd_health
 from daemon.control.peer_key import PeerKeys
-from daemon.control.records import (
-    FailureKind,
-    NodeRecord,
-    NodeState,
-)
+from daemon.control.records import NodeRecord, NodeState
 from daemon.control.store_host import StoreHost
 from daemon.control.view import ClusterView
 from daemon.metrics import Metrics
@@ -77,11 +72,10 @@ class Agent:
             config, self.view, self.etcd, self.keys, self.io.put_snapshot_file,
             lambda: self.membership.lease_id if self.membership is not None else 0,
             self.metrics.observe_snapshots, self.peer_keys.current)
-        self.failures = FailureReports(self.node_id, self.etcd, self.keys, self.view, self.tasks,
-                                       self.stopping, self.io.probe)
-        self.node = NodeWorkers(config, self.view, self.metrics, self.progress, self.recovery,
-                                self.snapshots, self.failures, self.io.read_snapshot,
-                                self._draining, self.stopping, self.tasks)
+        self.node = NodeWorkers(config, self.view, self.etcd, self.keys, self.metrics,
+                                self.progress, self.recovery, self.snapshots,
+                                self.io.read_snapshot, self.io.probe, self._draining,
+                                self.stopping, self.tasks)
 
     # -- lifecycle -----------------------------------------------------------------------------
 
@@ -177,16 +171,8 @@ class Agent:
         self.metrics.is_leader.set(0)
         self.state.to(AgentState.JOINING, f"fenced: {reason}")
         self._seen_generation = 0
-        self.node.fenced()  # the world our workers were in is broken: never hand it out again
-        plan, progress = self.view.plan, self.view.progress
-        if plan is not None and self.node_id in plan.nodes:
-            # Re-joining within the leader's debounce, our key only blinks: without a report
-            # the leader keeps a generation this node no longer runs, and the others wait out
-            # join_timeout_s. Delivered once we are back (or dropped when g is replaced).
-            g = plan.generation
-            self.failures.report(f"failure-{self.node_id}-{g}-fenced", g, FailureKind.LOST,
-                                 progress.step if progress.generation == g else -1,
-                                 f"{self.node_id} fenced itself: {reason}")
+        # the world our workers were in is broken: never hand it out again; tell the leader
+        self.node.fenced(reason)
         await self.node.kill_all()
 
     # -- generations ----------------------------------------------------------------------------

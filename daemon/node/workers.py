@@ -4,8 +4,13 @@ their reports. It is the worker service's host (daemon/node/worker_service.py).
 
 Its decisions are `daemon/node/node_decision.py`'s, a pure function of `facts()`; this class
 gathers the facts and applies the actions: starting and killing processes, reporting failures
-to the leader (daemon/control/failure_reports.py), metrics, and global rank 0's progress,
-checkpoints and restores, which the agent records in etcd (daemon/node/progress.py).
+to the leader, metrics, and global rank 0's progress, checkpoints and restores, which the agent
+records in etcd (daemon/node/progress.py).
+
+A failure report is a `failure` control request in etcd, put until etcd acknowledges it or a
+newer generation makes it moot; the first report of a peer's failure in a generation also has
+the leader's agent checked for life (daemon/control/leader_failover.py), since a dead leader
+would never read it.
 """
 
 from __future__ import annotations
@@ -17,9 +22,11 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 from daemon.config import AgentConfig
-from daemon.control.failure_reports import FailureReports
+from daemon.control.etcd_client import ETCD_ERRORS, Etcd
 from daemon.control.job_state import job_state
-from daemon.control.records import FailureKind, RestoreRecord
+from daemon.control.keys import Keys
+from daemon.control.leader_failover import Probe, revoke_dead_leader
+from daemon.control.records import ControlOp, ControlRequest, FailureKind, RestoreRecord
 from daemon.control.snapshot_steps import newest_complete
 from daemon.control.view import ClusterView
 from daemon.metrics import Metrics
@@ -29,7 +36,7 @@ from daemon.node.snapshot_keeper import SnapshotKeeper
 from daemon.node.supervisor import Supervisor, WorkerExit
 from daemon.node.watchdog import HangDetector, Watchdog
 from daemon.recovery_phases import RecoveryPhases
-from daemon.tasks import TaskSupervisor
+from daemon.tasks import Backoff, TaskSupervisor
 from parallel.job import FaultConfig
 from parallel.planner import Plan
 from proto.ultrascale.v1 import agent_pb2 as pb
@@ -40,14 +47,15 @@ ReadPeer = Callable[[str, pb.SnapshotRanges], Awaitable[list[list[bytes]]]]
 
 
 class NodeWorkers:
-    def __init__(self, config: AgentConfig, view: ClusterView, metrics: Metrics,
-                 progress: ProgressWriter, recovery: RecoveryPhases,
-                 snapshots: SnapshotKeeper | None, failures: FailureReports,
-                 read_peer_snapshot: ReadPeer, draining: Callable[[], bool],
-                 stopping: asyncio.Event, tasks: TaskSupervisor) -> None:
+    def __init__(self, config: AgentConfig, view: ClusterView, etcd: Etcd, keys: Keys,
+                 metrics: Metrics, progress: ProgressWriter, recovery: RecoveryPhases,
+                 snapshots: SnapshotKeeper | None, read_peer_snapshot: ReadPeer, probe: Probe,
+                 draining: Callable[[], bool], stopping: asyncio.Event,
+                 tasks: TaskSupervisor) -> None:
         self.config, self.node_id, self.devices = config, config.node_id, config.devices
-        self.view, self.metrics, self.progress, self.recovery = view, metrics, progress, recovery
-        self.snapshots, self.failures = snapshots, failures
+        self.view, self.etcd, self.keys = view, etcd, keys
+        self.metrics, self.progress, self.recovery = metrics, progress, recovery
+        self.snapshots, self.probe = snapshots, probe
         self.read_peer_snapshot = read_peer_snapshot
         self._draining, self._stopping, self._tasks = draining, stopping, tasks
         self.hangs = HangDetector()
@@ -56,6 +64,7 @@ class NodeWorkers:
         self.broken_generation = 0
         # local ranks killed as hung: the verdict and their stacks
         self._hung: dict[int, tuple[Hung, str]] = {}
+        self._leader_checked = 0  # the newest generation a peer's failure had the leader checked
 
     # -- the facts and the actions -------------------------------------------------------------
 
@@ -94,9 +103,19 @@ class NodeWorkers:
         elif actions.standby is False:
             await self.supervisor.drop_standby()
 
-    def fenced(self) -> None:
-        """This node fenced itself: the world its workers were in is broken."""
+    def fenced(self, reason: str) -> None:
+        """This node fenced itself: the world its workers were in is broken, and the leader is
+        told so (a report delivered once the node is back, or dropped when the generation is
+        replaced): re-joining within the leader's debounce our key only blinks, and without a
+        report the leader keeps a generation this node no longer runs while the others wait out
+        join_timeout_s."""
         self.broken_generation = max(self.broken_generation, self.view.generation)
+        plan, progress = self.view.plan, self.view.progress
+        if plan is not None and self.node_id in plan.nodes:
+            g = plan.generation
+            self.report_failure(f"failure-{self.node_id}-{g}-fenced", g, FailureKind.LOST,
+                                progress.step if progress.generation == g else -1,
+                                f"{self.node_id} fenced itself: {reason}")
 
     async def kill_all(self) -> None:
         if self.supervisor is not None:
@@ -153,8 +172,23 @@ class NodeWorkers:
         self.broken_generation = max(self.broken_generation, generation)
         log.error("worker local_rank=%d failed in generation %d (%s): %s", local_rank,
                   generation, kind.value, message[:500])
-        self.failures.report(f"failure-{self.node_id}-{generation}-{local_rank}", generation,
-                             kind, step, message, stacks)
+        self.report_failure(f"failure-{self.node_id}-{generation}-{local_rank}", generation,
+                            kind, step, message, stacks)
+
+    def report_failure(self, request_id: str, generation: int, kind: FailureKind, step: int,
+                       message: str, stacks: str = "") -> None:
+        """Report a failure of `generation` to the leader, in the background."""
+        request = ControlRequest(op=ControlOp.FAILURE, node=self.node_id, generation=generation,
+                                 kind=kind, step=step, message=message[:2000], time=time.time(),
+                                 stacks=stacks[-4096:])
+        self._tasks.spawn(put_until_acknowledged(
+            self.etcd, self.keys.control_request(request_id), request,
+            lambda: self.view.generation <= generation and not self._stopping.is_set()),
+            f"report-{request_id}", long_lived=False)
+        if kind == FailureKind.PEER and self._leader_checked < generation:
+            self._leader_checked = generation  # once per broken generation
+            self._tasks.spawn(revoke_dead_leader(self.view, self.etcd, self.keys, self.probe,
+                                                 self.node_id), "leader-check", long_lived=False)
 
     def handed(self, local_rank: int, generation: int) -> None:
         self.hangs.beat(local_rank, generation, "idle" if not generation else "join", 0,
@@ -220,6 +254,21 @@ class NodeWorkers:
             self.progress.report(report.generation, urgent=True, step=report.step,
                                  consumed_samples=report.consumed_samples,
                                  finished=not report.stopped, stopped=report.stopped)
+
+
+
+async def put_until_acknowledged(etcd: Etcd, key: bytes, request: ControlRequest,
+                                 still_wanted: Callable[[], bool]) -> None:
+    """Put `request`, retried until etcd acknowledges it or `still_wanted()` turns false."""
+    backoff = Backoff(initial=0.1, maximum=2.0)
+    while still_wanted():
+        try:
+            await etcd.put(key, request.to_json())
+            return
+        except ETCD_ERRORS as exc:
+            log.warning("request %s not recorded yet (%s); retrying", key.decode(errors="replace"),
+                        type(exc).__name__)
+            await backoff.sleep()
 
 
 def restore_record(report: pb.RestoreReport, plan: Plan | None) -> RestoreRecord:

@@ -31,7 +31,7 @@ def test_both_paths_are_traced_short_and_without_returns(tmp_path: Path) -> None
     assert len(generation["files"]) <= 10 and generation["returns"] == [], proc.stdout
     assert failure["files"][0] == "trainer/generation.py", proc.stdout
     assert failure["files"][-1] == "daemon/control/decide.py", proc.stdout
-    assert len(failure["files"]) <= 9 and failure["returns"] == [], proc.stdout
+    assert len(failure["files"]) <= 8 and failure["returns"] == [], proc.stdout
     # The leader's node and the victim's (its standby took the killed worker's rank): the same.
     for role in ("the leader's node", "the victim's node, its standby worker"):
         assert paths[f"generation on {role}"]["files"] == generation["files"], proc.stdout
