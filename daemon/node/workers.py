@@ -256,7 +256,6 @@ class NodeWorkers:
                                  finished=not report.stopped, stopped=report.stopped)
 
 
-
 async def put_until_acknowledged(etcd: Etcd, key: bytes, request: ControlRequest,
                                  still_wanted: Callable[[], bool]) -> None:
     """Put `request`, retried until etcd acknowledges it or `still_wanted()` turns false."""
