@@ -57,13 +57,17 @@ def workers_of(proc: subprocess.Popen[bytes]) -> list[int]:
 @pytest.fixture
 def local(tmp_path: Path) -> Iterator[tuple[subprocess.Popen[bytes], Path]]:
     """`ultrad local examples/tiny.toml --nodes 2`, long enough to outlive the test (no
-    periodic checkpoint: the cancel's is the only one)."""
+    periodic checkpoint: the cancel's is the only one). Its lease TTL is 6 s, not the 2 s of
+    the recovery tests: this test checks what the CLI says of one uninterrupted run, and with
+    2 s a loaded two-core box (both standbys importing torch while another test trains) once
+    stalled an agent's keepalives that long; it fenced itself, as it must, generation 1 failed,
+    and the job ended "cancelled after generation 1 failed" instead of "cancelled at step"."""
     state = tmp_path / "state"
     state.mkdir()
     with (tmp_path / "local.log").open("wb") as out:
         proc = subprocess.Popen(
             [sys.executable, "-m", "daemon.cli.ultrad", "local", str(TINY), "--nodes", "2",
-             "--devices-per-node", "1", "--ttl", "2", "--state-dir", str(state),
+             "--devices-per-node", "1", "--ttl", "6", "--state-dir", str(state),
              "--set", "train.steps=100000", "--set", "checkpoint.every=100000"],
             stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=ROOT,
             start_new_session=True,
