@@ -21,8 +21,8 @@ from typing import Any, Literal, NewType, Union
 from models import get_spec
 from models.hf_config import with_pretrained_model
 
-# The [model] section and the spec's error are defined below the model families; the job
-# spec is where the rest of the code base imports them from.
+# The [model] section and the spec's error live in models/model_config.py, which the families
+# import; the rest of the code base imports them from the job spec.
 from models.model_config import ConfigError as ConfigError
 from models.model_config import ModelConfig as ModelConfig
 from parallel import bounded_toml, mesh_dims
