@@ -42,6 +42,16 @@ _VIEWED = frozenset({*FAMILIES, "leader", "generation", "spec", "progress", "che
 Listener = Callable[[set[str]], None]
 
 
+class HistoryRewound(Exception):
+    """etcd answered the watch at a revision below the one the view read at: it was restored
+    from an older state after the read (a watch from a revision etcd has not reached yet is
+    accepted and stays silent until it does), so the view must be re-read."""
+
+    def __init__(self, revision: int, read_at: int) -> None:
+        super().__init__(f"etcd's revision went backwards ({revision} < {read_at}) after the "
+                         "view was read")
+
+
 @dataclass(frozen=True)
 class Member:
     record: NodeRecord
@@ -100,10 +110,12 @@ class ClusterView:
                 backoff.reset()
                 async for resp in self.etcd.watch(self.keys.prefix, prefix=True,
                                                   start_revision=self.revision + 1):
+                    if resp.header.revision < self.revision:
+                        raise HistoryRewound(resp.header.revision, self.revision)
                     kinds = {self._apply(ev.kv, ev.type == PUT) for ev in resp.events}
                     self.revision = max(self.revision, resp.header.revision)
                     await self._notify(kinds - {""})
-            except WatchCompacted as exc:
+            except (WatchCompacted, HistoryRewound) as exc:
                 log.warning("%s; re-reading the view", exc)
             except ETCD_ERRORS as exc:
                 if self.connected:
