@@ -74,7 +74,8 @@ class Generation:
         if gp.global_rank == 0:
             log(
                 f"generation {gp.generation}: world {gp.world_size}, layout dp={layout.dp}; "
-                f"restored {restored.describe()} in {restored.seconds:.2f}s"
+                f"{world.started.describe()}; "
+                f"restored {restored.describe()} in {restored.seconds:.3f}s"
             )
         try:
             return self._train(driver)

@@ -11,8 +11,9 @@ the plan names, the device mesh, the model, optimizer, data, checkpoints and sna
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
 
@@ -72,9 +73,24 @@ class GenerationSpec:
 
 
 @dataclass
+class StartSeconds:
+    """Where a generation's start went on this rank, in seconds: joining the process group
+    (the TCPStore and gloo's connections), the device mesh's groups, the model, optimizer and
+    data (`GenerationDriver`); the rank-0 log line of each generation prints them."""
+
+    join: float = 0.0
+    mesh: float = 0.0
+    build: float = 0.0
+
+    def describe(self) -> str:
+        return f"joined in {self.join:.3f}s, mesh {self.mesh:.3f}s, built {self.build:.3f}s"
+
+
+@dataclass
 class World:
     driver: GenerationDriver
     fetch: Fetch | None  # the plan's snapshot, this node's share first (None: no snapshots)
+    started: StartSeconds = field(default_factory=StartSeconds)
 
 
 def join_world(spec: GenerationSpec, backend: str) -> None:
@@ -92,8 +108,11 @@ def build_world(spec: GenerationSpec, remote_fetch: Callable[[int], Fetch],
     through the agent."""
     job, layout, env = spec.plan.job, spec.plan.layout, spec.env
     device, backend, device_type = select_device(env.local_rank)
+    began = time.perf_counter()
     join_world(spec, backend)
+    joined = time.perf_counter()
     mesh = build_mesh(layout, device_type, spec.timeout)
+    meshed = time.perf_counter()
     phase("restore")
     root = checkpoint_root(job)
     if root is not None and job.checkpoint.storage == "shared":
@@ -106,4 +125,5 @@ def build_world(spec: GenerationSpec, remote_fetch: Callable[[int], Fetch],
     step = spec.plan.restore.step
     fetch = local_first_fetch(env.snapshot_root, step, remote_fetch(step)) \
         if env.snapshot_root else None
-    return World(driver, fetch)
+    return World(driver, fetch, StartSeconds(joined - began, meshed - joined,
+                                             time.perf_counter() - meshed))
