@@ -27,6 +27,7 @@ import bisect
 import io
 import math
 import os
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -386,8 +387,10 @@ def load_snapshot(
     reader = SnapshotReader(step, fetch, agree)
     reason = ""
     try:
-        dcp.load({"state": state}, storage_reader=reader, planner=SnapshotLoadPlanner(reader),
-                 no_dist=True)
+        with warnings.catch_warnings():  # no_dist is meant: DCP's warning says it is assumed
+            warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
+            dcp.load({"state": state}, storage_reader=reader,
+                     planner=SnapshotLoadPlanner(reader), no_dist=True)
     except CheckpointException as exc:
         if reader.agreed:  # every rank failed the agreement and raises the same
             raise SnapshotInvalid(reader.agreed) from None

@@ -47,6 +47,7 @@ from trainer.heartbeat import Heartbeat
 from trainer.standby import await_role, is_standby
 from trainer.teardown import Teardown, freeze_import_heap
 from trainer.thread_names import name_thread
+from trainer.warm_up import warm_up
 from trainer.worker_log import log
 from trainer.world import WorkerEnv
 
@@ -71,7 +72,9 @@ def main() -> int:
     teardown.refresh()  # now, not between a failure and the next join
     if is_standby(os.environ):
         name_process("ultra-standby")
-        log("standby: torch imported, waiting for a local rank")
+        seconds = warm_up(teardown, log)
+        freeze_import_heap()  # what the warm-up imported stays, like torch's own modules
+        log(f"standby: torch imported and warmed up ({seconds:.2f}s), waiting for a local rank")
         role = await_role(sys.stdin.buffer)
         if role is None:
             return 0
