@@ -1,7 +1,7 @@
 """What per-step in-memory snapshots cost the training loop.
 
     python -m bench.overhead [--runs 3] [--steps 100] [--nodes 3] [--global-batch 10]
-                             [--arms bare,ultrad,ultrad+snap] [--pin]
+                             [--arms bare,ultrad,ultrad+snap] [--pin [--pinned-steps 300]]
 
 The job of `bench.recovery` (a 2-layer GQA Llama, global batch 10, no durable checkpoints) on
 `--nodes` CPU ranks, in three arms, interleaved run by run. `--global-batch` scales a step's
@@ -27,8 +27,9 @@ cores busy (3 CPU ranks on 2 cores), the step time follows the CPU all processes
 step, so that ratio is about where the wall-time ratio can go.
 
 Each run's median over the steps after the first 5 and, for ultrad, after every node's standby
-worker has imported torch (it starts once the job trains and competes for the CPU until then:
-a one-off start-up cost, not a per-step one); the table shows the median over runs and the
+worker has imported torch and warmed up (it starts once the job trains and competes for the CPU
+until then: a one-off start-up cost, not a per-step one; a pinned run trains `--pinned-steps`
+so that enough steps come after it); the table shows the median over runs and the
 ratio to the bare loop; with several runs it also prints each run against the bare loop of the
 same run (the machine's speed drifts from run to run).
 
@@ -425,12 +426,17 @@ def main(argv: list[str] | None = None) -> int:
                    help="comma-separated subset of " + ", ".join(ARMS) + " (ratios need bare)")
     p.add_argument("--pin", action="store_true",
                    help="first a table of 1 rank pinned to CPU 0, the rest on CPU 1")
+    p.add_argument("--pinned-steps", type=int, default=300,
+                   help="steps of each pinned run (its rank steps twice as fast as one of 3 "
+                        "unpinned ranks, and only the steps after the standby is ready count)")
     args = p.parse_args(argv)
     arms = [a for a in args.arms.split(",") if a]
     if not arms or any(a not in ARMS for a in arms):
         p.error(f"--arms: a comma-separated subset of {', '.join(ARMS)} (got {args.arms!r})")
-    if args.runs < 1 or args.steps <= WARMUP + 2 or args.nodes < 1 or args.global_batch < 1:
-        p.error("--runs >= 1, --steps > 7, --nodes >= 1 and --global-batch >= 1")
+    if args.runs < 1 or min(args.steps, args.pinned_steps) <= WARMUP + 2 or args.nodes < 1 \
+            or args.global_batch < 1:
+        p.error("--runs >= 1, --steps and --pinned-steps > 7, --nodes >= 1 and "
+                "--global-batch >= 1")
     allowed = os.sched_getaffinity(0)
     if args.pin and not allowed >= (TRAINING_CPU | OTHER_CPUS):
         p.error(f"--pin needs CPUs {sorted(TRAINING_CPU | OTHER_CPUS)} (this process may use "
@@ -441,7 +447,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.pin:
             os.sched_setaffinity(0, OTHER_CPUS)  # every process started from here inherits it
             try:
-                table(root, job, arms, args.runs, args.steps, 1, args.global_batch, pin=True)
+                table(root, job, arms, args.runs, args.pinned_steps, 1, args.global_batch,
+                      pin=True)
             finally:
                 os.sched_setaffinity(0, allowed)
         table(root, job, arms, args.runs, args.steps, args.nodes, args.global_batch, pin=False)
