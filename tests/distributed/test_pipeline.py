@@ -147,14 +147,16 @@ def test_checkpoints_move_between_pipeline_and_data_parallel(pp_job, tmp_path):
 
 
 def bubble_job(token_file: Path, tmp_path: Path, micro_batches: int) -> Path:
-    # Compute-heavy enough per micro-batch that point-to-point latency is small next to it.
+    # Compute-heavy enough per micro-batch (4 x 128 tokens) that the point-to-point and schedule
+    # overhead of each action, which the measure counts as idle, stays small next to it.
     path = tmp_path / f"bubble_m{micro_batches}.toml"
     path.write_text(
         small_job_text(
             token_file,
-            model={"num_hidden_layers": 4, "hidden_size": 128, "intermediate_size": 512},
-            train={"global_batch": 2 * micro_batches, "seq_len": 64, "warmup_steps": 1},
-            parallel={"micro_batch": 2, "pp": 2, "pp_schedule": "gpipe"},
+            model={"num_hidden_layers": 4, "hidden_size": 128, "intermediate_size": 512,
+                   "max_position_embeddings": 128},
+            train={"global_batch": 4 * micro_batches, "seq_len": 128, "warmup_steps": 1},
+            parallel={"micro_batch": 4, "pp": 2, "pp_schedule": "gpipe"},
         )
     )
     return path
@@ -162,9 +164,14 @@ def bubble_job(token_file: Path, tmp_path: Path, micro_batches: int) -> Path:
 
 @pytest.mark.alone  # idle time measured in wall time: another process's ranks on the cores add to it
 def test_measured_bubble_falls_with_more_micro_batches(token_file, tmp_path):
-    """No timing thresholds: ratios lie in (0, 1), and the median at m = 8 is below m = 2's."""
+    """No timing thresholds: ratios lie in (0, 1), and the median at m = 8 is below m = 1's.
+
+    m = 1 against 8 (predicted 1/2 against 1/9), not 2 against 8 (1/3 against 1/9): on a two-core
+    box the per-action overhead the measure counts as idle is 0.1-0.2 of a step, which left 2 and
+    8 within a few hundredths of each other, either way round, on a slow run.
+    """
     medians = {}
-    for m in (2, 8):
+    for m in (1, 8):
         result = run_trainer(bubble_job(token_file, tmp_path, m), 2, "--steps", "7")
         assert result.returncode == 0, result.stderr[-3000:]
         per_step = []
@@ -175,4 +182,4 @@ def test_measured_bubble_falls_with_more_micro_batches(token_file, tmp_path):
             if step > 1:  # step 1 also infers the stages' shapes
                 per_step.append(statistics.fmean(ratios))
         medians[m] = statistics.median(per_step)
-    assert medians[8] < medians[2], medians
+    assert medians[8] < medians[1], medians
