@@ -30,7 +30,9 @@ consumed samples, each hyper-parameter of each parameter group); spreading them 
 
 from __future__ import annotations
 
+import itertools
 import math
+import operator
 import pickle
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -47,6 +49,10 @@ _RNG = "state.rng"
 _PROGRESS = {"state.progress.step": lambda s: s.progress.step,
              "state.progress.consumed_samples": lambda s: s.progress.consumed_samples}
 _MISSING = object()
+
+
+_local_tensor = operator.attrgetter("_local_tensor")
+_data_ptr = torch.Tensor.data_ptr
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -77,13 +83,40 @@ class Link:
     key: Any
     value: Any
 
-    def check(self) -> tuple[Callable[[Any, Any], Any], Any, Any]:
-        """(lookup, key, value): this link holds while `lookup(key, _MISSING) is value`."""
-        owner = self.owner
-        if isinstance(owner, list):
-            return (lambda key, missing: owner[key] if key < len(owner) else missing,
-                    self.key, self.value)
-        return owner.get, self.key, self.value  # `get`: a defaultdict stays as it is
+
+@dataclass(frozen=True)
+class Links:
+    """Links to check together, in a few C-level passes with no Python frame per link."""
+
+    owners: tuple[dict[Any, Any], ...]
+    keys: tuple[Any, ...]
+    values: tuple[Any, ...]
+    # Dicts keyed by tensors (the optimizer's state, by parameter), whose lookups would each
+    # hash a tensor in Python: each is held whole, its keys and values in order, as built.
+    whole: tuple[tuple[dict[Any, Any], tuple[Any, ...], tuple[Any, ...]], ...]
+    positions: tuple[Link, ...]  # list owners (parameter groups), checked one by one
+
+    @staticmethod
+    def of(links: list[Link]) -> Links:
+        by_tensor = {id(link.owner): link.owner for link in links
+                     if isinstance(link.owner, dict) and isinstance(link.key, torch.Tensor)}
+        entries = [link for link in links
+                   if isinstance(link.owner, dict) and id(link.owner) not in by_tensor]
+        return Links(tuple(link.owner for link in entries),  # type: ignore[misc]
+                     tuple(link.key for link in entries), tuple(link.value for link in entries),
+                     tuple((owner, tuple(owner), tuple(owner.values()))
+                           for owner in by_tensor.values()),
+                     tuple(link for link in links if isinstance(link.owner, list)))
+
+    def holds(self) -> bool:
+        # `dict.get`, not `owner[key]`: a defaultdict (the optimizer's state) stays as it is.
+        return (all(map(operator.is_, map(dict.get, self.owners, self.keys,
+                                          itertools.repeat(_MISSING)), self.values))
+                and all(len(owner) == len(keys) and all(map(operator.is_, owner, keys))
+                        and all(map(operator.is_, owner.values(), values))
+                        for owner, keys, values in self.whole)
+                and all(link.key < len(link.owner) and link.owner[link.key] is link.value
+                        for link in self.positions))
 
 
 def _live(state: TrainState) -> dict[int, tuple[tuple[Link, ...], torch.Tensor]]:
@@ -136,10 +169,13 @@ class ResolvedTemplate:
     """A rewrite's payload sources (see the module docstring), for a template whose items have
     fixed lengths."""
 
-    # Every step of every watched tensor's way, each once, as `Link.check`s.
-    links: tuple[tuple[Callable[[Any, Any], Any], Any, Any], ...]
-    sharded: tuple[tuple[DTensor, int], ...]  # each watched DTensor and its local address
-    plain: tuple[tuple[torch.Tensor, int], ...]  # each other watched tensor and its address
+    links: Links  # every step of every watched tensor's way, each once
+    # Each watched DTensor, and where its local tensor started when built; the same for each
+    # other watched tensor.
+    sharded: tuple[DTensor, ...]
+    sharded_at: tuple[int, ...]
+    plain: tuple[torch.Tensor, ...]
+    plain_at: tuple[int, ...]
     reads: tuple[Callable[[], Any], ...]  # each distinct byte value's getter
     holders: tuple[tuple[int, ...], ...]  # holders[j]: the template items read j gives
     # Each non-empty tensor item, in template order: a flat uint8 view of the live tensor's own
@@ -149,10 +185,9 @@ class ResolvedTemplate:
 
     def usable(self) -> bool:
         """Whether every watched tensor is still where the build found it (module docstring)."""
-        return (all(lookup(key, _MISSING) is value for lookup, key, value in self.links)
-                and all(t._local_tensor.data_ptr() == address  # noqa: SLF001
-                        for t, address in self.sharded)
-                and all(t.data_ptr() == address for t, address in self.plain))
+        return (self.links.holds()
+                and tuple(map(_data_ptr, map(_local_tensor, self.sharded))) == self.sharded_at
+                and tuple(map(_data_ptr, self.plain)) == self.plain_at)
 
     def values(self) -> ByteValues:
         return ByteValues(tuple(read() for read in self.reads), self.holders)
@@ -202,11 +237,14 @@ def build(state: TrainState, flat: dict[str, Any], items: list[tuple[Any, Any, b
             links.update(((id(link.owner), link.key), link) for link in way)
             watched[ptr] = tensor
             tensors.append((_memory_of(data), data))
-    addresses = [(t, _local(t).data_ptr()) for t in watched.values()]  # where each starts now
+    if not all(isinstance(link.owner, dict | list) for link in links.values()):
+        return None
+    sharded = tuple(t for t in watched.values() if isinstance(t, DTensor))
+    plain = tuple(t for t in watched.values() if not isinstance(t, DTensor))
     return ResolvedTemplate(
-        links=tuple(link.check() for link in links.values()),
-        sharded=tuple((t, a) for t, a in addresses if isinstance(t, DTensor)),
-        plain=tuple((t, a) for t, a in addresses if not isinstance(t, DTensor)),
+        links=Links.of(list(links.values())),
+        sharded=sharded, sharded_at=tuple(_local(t).data_ptr() for t in sharded),
+        plain=plain, plain_at=tuple(t.data_ptr() for t in plain),
         reads=tuple(getters), holders=tuple(map(tuple, holders)), tensors=tuple(tensors))
 
 

@@ -7,7 +7,9 @@ copying the state's tensors somewhere the step cannot overwrite. So a rewrite is
 - `stage_rewrite` (on the step, in checkpoint/snapshot_writer.py): every tensor item is
   copied into its place in a `HostStaging` buffer (host memory allocated once per generation,
   its pages touched up front; pinned when the state is on a GPU), and every byte item's
-  current value is captured. On CPU that is one `torch._foreach_copy_` of the items' bytes.
+  current value is captured. On CPU a rewrite on the fast path copies through a `CopyPlan`:
+  one `torch.cat` into the buffer per run of adjacent items (not one copy per tensor, whose
+  dispatch cost more than the bytes on a small model); else one `torch._foreach_copy_`.
   On a GPU the copies are queued on a side stream after the step's own work, the host does
   not wait for them, and `fence()` makes the training stream wait for them (not the host)
   before the next optimizer update, the first thing that overwrites what was copied;
@@ -29,7 +31,7 @@ from typing import Any
 
 import torch
 
-from checkpoint.snapshot_fastpath import ByteValues, ResolvedTemplate, same
+from checkpoint.snapshot_fastpath import ByteValues, ResolvedTemplate, same, tensor_as_bytes
 from checkpoint.snapshot_format import (
     FileEntry,
     chunk_checksums,
@@ -40,11 +42,83 @@ from checkpoint.snapshot_format import (
     record_name,
     shard_name,
     slot,
+    step_dir,
     write_atomically,
 )
 
 # A template's items: (DCP WriteItem, offset, length) in shard order.
 Items = tuple[tuple[Any, int, int], ...]
+
+# The widest element `CopyPlan` copies a run as: ATen's single-threaded concatenation has a
+# vectorised kernel for floating types only (uint8 goes through a copy per input). The bytes
+# are moved, never computed on, so any bit pattern comes through as it was.
+_WIDE = torch.float32
+_WIDE_BYTES = 4
+
+
+@dataclasses.dataclass(frozen=True)
+class _Run:
+    """Items next to each other in the buffer whose sources are views of live memory."""
+
+    out: torch.Tensor  # the run's slice of the buffer
+    sources: list[torch.Tensor]  # in buffer order, as `out`'s dtype
+
+
+@dataclasses.dataclass(frozen=True)
+class CopyPlan:
+    """How the fast path's rewrites copy into a CPU `HostStaging`, worked out once per
+    `ResolvedTemplate`: each run of items that sit next to each other in the buffer and whose
+    source is a view of a live tensor's memory (`ResolvedTemplate.tensors`) is one `torch.cat`
+    into the run's slice of the buffer, as float32 when every address and length of the run
+    allows it; an item whose source is made anew for every rewrite (the RNG state, a
+    non-contiguous tensor) is copied alone."""
+
+    resolved: ResolvedTemplate
+    runs: tuple[_Run, ...]
+    alone: tuple[tuple[torch.Tensor, Callable[[], torch.Tensor] | torch.Tensor], ...]
+
+    @staticmethod
+    def build(buffer: torch.Tensor, destinations: list[torch.Tensor],
+              resolved: ResolvedTemplate) -> CopyPlan:
+        runs: list[_Run] = []
+        alone = []
+        pending: list[tuple[torch.Tensor, torch.Tensor]] = []  # (destination, view)
+
+        def close_run() -> None:
+            if pending:
+                runs.append(_run(buffer, pending))
+                pending.clear()
+
+        for destination, (view, source) in zip(destinations, resolved.tensors, strict=True):
+            if view is None:
+                close_run()
+                alone.append((destination, source))
+                continue
+            if pending and _end(pending[-1][0]) != destination.data_ptr():
+                close_run()
+            pending.append((destination, view))
+        close_run()
+        return CopyPlan(resolved, tuple(runs), tuple(alone))
+
+    def copy(self) -> None:
+        """Copy every item's current bytes into its place."""
+        for run in self.runs:
+            torch.cat(run.sources, out=run.out)
+        for destination, source in self.alone:
+            destination.copy_(tensor_as_bytes(source() if callable(source) else source))
+
+
+def _end(t: torch.Tensor) -> int:
+    return t.data_ptr() + t.numel()
+
+
+def _run(buffer: torch.Tensor, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> _Run:
+    start = pairs[0][0].data_ptr() - buffer.data_ptr()
+    out = buffer[start:start + sum(d.numel() for d, _ in pairs)]
+    if all(t.data_ptr() % _WIDE_BYTES == 0 and t.numel() % _WIDE_BYTES == 0
+           for pair in pairs for t in pair):
+        return _Run(out.view(_WIDE), [v.view(_WIDE) for _, v in pairs])
+    return _Run(out, [v for _, v in pairs])
 
 
 class HostStaging:
@@ -68,6 +142,7 @@ class HostStaging:
         self.stream = torch.cuda.Stream(device) if accelerated else None
         self.copied: torch.cuda.Event | None = None  # the last stage's copies, on `stream`
         self.held: ByteValues | None = None  # what the byte items' slots hold (None: unknown)
+        self._plan: CopyPlan | None = None  # the last fast path's, on CPU
 
     def memory(self) -> memoryview:
         return memoryview(self.buffer.numpy())
@@ -97,6 +172,17 @@ class HostStaging:
             self.copied = torch.cuda.Event()
             self.copied.record(self.stream)
 
+    def copy_resolved(self, resolved: ResolvedTemplate) -> None:
+        """Copy the fast path's tensor items (`ResolvedTemplate.tensors`, in `destinations`'
+        order) into their places: on CPU through a `CopyPlan`, made again only when
+        `resolved` is another one."""
+        if self.stream is not None:
+            self.copy(resolved.tensor_bytes())
+            return
+        if self._plan is None or self._plan.resolved is not resolved:
+            self._plan = CopyPlan.build(self.buffer, self.destinations, resolved)
+        self._plan.copy()
+
     def put_values(self, values: ByteValues) -> None:
         """Pickle each byte value into the slots of the items that hold it, except a value
         the same as the one its slots already hold (`snapshot_fastpath.same`: the same items
@@ -124,13 +210,13 @@ class StagedShard:
     """A rewrite whose tensors are copied (or being copied) into `staging`: what is left to
     write. `values` holds the byte items' values, captured when staged."""
 
-    directory: Path
+    root: Path  # the step's directory under it is made off the step, in `write`
     rank: int
     step: int
     values: ByteValues
     staging: HostStaging
     resolved: ResolvedTemplate | None
-    finish_coordinator: Callable[[], None] | None  # writes .metadata and the manifest
+    finish_coordinator: Callable[[Path], None] | None  # writes .metadata and the manifest
     stage_seconds: float = 0.0  # what the step paid
     write_seconds: float = 0.0  # the shard's write, after waiting for its copy
     checksum_seconds: float = 0.0
@@ -140,12 +226,13 @@ class StagedShard:
         OSError or ValueError (a byte item outgrew its slot, an unsafe directory) with the
         shard or its record missing, so the step cannot be assembled."""
         started = time.perf_counter()
+        directory = step_dir(self.root, self.step)
         self.staging.wait()
         self.staging.put_values(self.values)
         memory = self.staging.memory()
-        private_dirs(self.directory.parent, self.directory)
+        private_dirs(directory.parent, directory)
         name = shard_name(self.rank)
-        fd = create_private_file(self.directory / name)  # O_EXCL, as a full save's shard
+        fd = create_private_file(directory / name)  # O_EXCL, as a full save's shard
         try:
             pwritev_all(fd, [memory])
         finally:
@@ -155,7 +242,7 @@ class StagedShard:
         self.write_seconds = written - started
         self.checksum_seconds = time.perf_counter() - written
         entry = FileEntry(path=name, rank=self.rank, size=len(memory), chunks=chunks)
-        write_atomically(self.directory / record_name(self.rank), record_bytes(self.step, entry))
+        write_atomically(directory / record_name(self.rank), record_bytes(self.step, entry))
         if self.finish_coordinator is not None:
-            self.finish_coordinator()
+            self.finish_coordinator(directory)
 

@@ -371,8 +371,11 @@ def stage_rewrite(
     next rewrite may use (None: no fast path for this state).
     """
     started = time.perf_counter()
+    if staging is None:
+        staging = staging_for(state, template)
     if resolved is not None and resolved.usable():
-        values, tensors = resolved.values(), resolved.tensor_bytes()
+        values = resolved.values()
+        staging.copy_resolved(resolved)
     else:
         planner = DefaultSavePlanner()
         planner.set_up_planner({"state": state.state_dict()}, None, coordinator is not None)
@@ -384,19 +387,15 @@ def stage_rewrite(
             in zip(template.items, sources, strict=True)])
         values = fastpath.ByteValues.of(
             {index: data for index, (data, is_bytes) in enumerate(sources) if is_bytes})
-        tensors = [fastpath.tensor_as_bytes(data) for (data, is_bytes), (_, _, length)
-                   in zip(sources, template.items, strict=True) if not is_bytes and length]
-    if staging is None:
-        staging = staging_for(state, template)
-    staging.copy(tensors)
+        staging.copy([fastpath.tensor_as_bytes(data) for (data, is_bytes), (_, _, length)
+                      in zip(sources, template.items, strict=True) if not is_bytes and length])
     step, consumed = state.progress.step, state.progress.consumed_samples
-    directory = step_dir(root, step)
 
-    def finish_coordinator() -> None:
+    def finish_coordinator(directory: Path) -> None:
         assert coordinator is not None
         coordinator.write(directory, step, consumed, layout, template.rank)
 
     return StagedShard(
-        directory=directory, rank=template.rank, step=step, values=values, staging=staging,
+        root=root, rank=template.rank, step=step, values=values, staging=staging,
         resolved=resolved, finish_coordinator=finish_coordinator if coordinator else None,
         stage_seconds=time.perf_counter() - started)

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -31,10 +30,8 @@ from checkpoint.snapshot_writer import (
     staging_for,
 )
 from checkpoint.state import TrainState
-from trainer.thread_names import SNAPSHOT_WRITER, name_thread
-
-# A rewrite in this many looks every item up again (and rebuilds the fast path).
-_REVALIDATE_EVERY = 100
+from trainer.thread_names import SNAPSHOT_WRITER
+from trainer.writer_thread import Handoff, WriterThread
 
 
 class CountingFetch:
@@ -72,9 +69,8 @@ class Snapshots:
         self._coordinator: CoordinatorTemplate | None = None
         self._resolved: ResolvedTemplate | None = None
         self._staging: HostStaging | None = None
-        self._rewrites = 0
-        self._writer: ThreadPoolExecutor | None = None
-        self._pending: tuple[int, Future[None]] | None = None  # (step, its write)
+        self._writer: WriterThread | None = None
+        self._pending: tuple[int, Handoff] | None = None  # (step, its write)
 
     @property
     def next_is_full(self) -> bool:
@@ -99,17 +95,12 @@ class Snapshots:
             else:
                 if self._staging is None:
                     self._staging = staging_for(state, self._template)
-                # Every so often the full lookup again, which also re-checks the fast path.
-                fresh = self._rewrites % _REVALIDATE_EVERY == 0
                 staged = stage_rewrite(state, self.root, self._template, self._coordinator,
                                        layout=self.layout, staging=self._staging,
-                                       resolved=None if fresh else self._resolved)
+                                       resolved=self._resolved)
                 self._resolved = staged.resolved
-                self._rewrites += 1
                 if self._writer is None:
-                    self._writer = ThreadPoolExecutor(
-                        1, thread_name_prefix=SNAPSHOT_WRITER,
-                        initializer=name_thread, initargs=(SNAPSHOT_WRITER,))
+                    self._writer = WriterThread(SNAPSHOT_WRITER)
                 self._pending = (staged.step, self._writer.submit(staged.write))
         except (CheckpointException, OSError, ValueError) as exc:
             self.blocking_seconds = time.perf_counter() - started
@@ -129,7 +120,7 @@ class Snapshots:
         exits); False: it failed (logged)."""
         ok = self._settle()
         if self._writer is not None:
-            self._writer.shutdown(wait=True)
+            self._writer.close()
             self._writer = None
         return ok
 
@@ -139,7 +130,7 @@ class Snapshots:
         step, write = self._pending
         self._pending = None
         try:
-            write.result()
+            write.wait()
         except (OSError, ValueError) as exc:
             self._failed(step, exc)
             return False

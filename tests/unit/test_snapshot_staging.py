@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import threading
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -16,6 +17,7 @@ from torch import nn
 import checkpoint.snapshot_staging as staging_module
 from checkpoint.snapshot_format import record_name, shard_name, step_dir
 from checkpoint.snapshot_reader import load_snapshot, local_fetch
+from checkpoint.snapshot_staging import HostStaging
 from checkpoint.state import Progress, TrainState
 from trainer.snapshots import Snapshots
 from trainer.thread_names import SNAPSHOT_WRITER
@@ -161,3 +163,47 @@ def test_on_a_gpu_the_copy_is_a_device_to_host_copy_the_update_waits_for(shm):
     assert snapshots.drain() and snapshots.failures == 0
     for step, want in wanted.items():
         _assert_equal(_restored(shm, step), want)
+
+
+def _bits(n: int, seed: int) -> torch.Tensor:
+    """`n` random bytes, NaN payloads and signalling-NaN patterns of float32 among them."""
+    g = torch.Generator().manual_seed(seed)
+    raw = torch.randint(0, 256, (n,), dtype=torch.uint8, generator=g)
+    words = raw[: n - n % 4].view(torch.int32)
+    words[::3] = 0x7F800001  # a signalling NaN
+    words[1::3] = -0x3FFFFF  # 0xFFC00001: a quiet NaN with a payload, sign set
+    return raw
+
+
+def test_a_copy_plan_copies_runs_of_adjacent_items_whole_and_every_bit_as_it_is():
+    # Items: [0, 8) and [8, 20) adjacent and 4-aligned; [24, 30) after a gap, 6 bytes (bf16);
+    # [30, 46) read anew each time (as the RNG state is); [46, 53) odd-sized, after it.
+    spans = [(0, 8), (8, 12), (24, 6), (30, 16), (46, 7)]
+    staging = HostStaging(tuple((None, o, n) for o, n in spans), 53, list(range(len(spans))),
+                          torch.device("cpu"))
+    live = [_bits(8, 0), _bits(12, 1), _bits(6, 2).view(torch.bfloat16), None, _bits(7, 4)]
+    fresh = iter(_bits(16, 10 + i) for i in range(3))
+    served: list[torch.Tensor] = []
+
+    def anew() -> torch.Tensor:
+        served.append(next(fresh))
+        return served[-1]
+
+    views = [(t.view(torch.uint8) if t is not None else None) for t in live]
+    resolved = SimpleNamespace(tensors=tuple((v, v if v is not None else anew) for v in views))
+    for _ in range(2):
+        staging.copy_resolved(resolved)  # type: ignore[arg-type]
+        want = bytearray(53)
+        for (offset, length), view in zip(spans, [*views[:3], served[-1], views[4]],
+                                          strict=True):
+            want[offset:offset + length] = bytes(view.numpy())
+        assert bytes(staging.buffer.numpy()) == bytes(want)
+        for t in (live[0], live[1]):  # the live tensors change in place: the next copy follows
+            t.add_(1)
+    plan = staging._plan  # noqa: SLF001
+    assert plan is not None and plan.resolved is resolved
+    # One concatenation for the two adjacent items (as float32), one each for the items the
+    # gap and the fresh item separate (uint8: 6 and 7 bytes), the fresh item alone.
+    assert [(len(run.sources), run.out.dtype) for run in plan.runs] == [
+        (2, torch.float32), (1, torch.uint8), (1, torch.uint8)]
+    assert len(plan.alone) == 1 and len(served) == 2
