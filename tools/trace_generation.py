@@ -259,6 +259,21 @@ def generation_path(processes: dict[int, Process], node: str, generation: int) -
             Segment(worker, reply, step, "")]
 
 
+def failed_generation(processes: dict[int, Process], node: str, before: int) -> int:
+    """The last generation before `before` in which a worker of `node` failed (its
+    `Generation.run` returned). Not always `before - 1`: when the killed worker's agent sees
+    the death late, the leader first plans a generation from the survivors' reports with that
+    node still in it; its survivors wait at the join until the watchdog ends them, and the
+    next generation is the first that trains."""
+    agent = _agent(processes, node)
+    failed = [c.generation for p in processes.values() if p.header.get("parent") == agent.pid
+              for c in p.points(GENERATION_RUN, "return")
+              if c.value == "NoneType" and c.generation is not None and c.generation < before]
+    if not failed:
+        raise LookupError(f"no worker of {node} failed before generation {before}")
+    return max(failed)
+
+
 def failure_path(processes: dict[int, Process], node: str, leader: str,
                  generation: int) -> list[Segment]:
     """A worker of `node` failing in `generation`, to the leader's decision on it."""
@@ -340,13 +355,14 @@ def main(argv: list[str] | None = None) -> int:
     victim = res.extra["victim"]
     texts, found = [], {}
     try:
+        failed = failed_generation(processes, node, generation)
         for name, title, segs in (
                 ("generation", f"generation {generation} reaching {node} (a survivor that does "
                  "not lead): from the agent's watch to the worker's first step",
                  generation_path(processes, node, generation)),
-                ("failure", f"{node}'s worker failing in generation {generation - 1}: from its "
+                ("failure", f"{node}'s worker failing in generation {failed}: from its "
                  f"failure to the decision of the leader ({leader})",
-                 failure_path(processes, node, leader, generation - 1))):
+                 failure_path(processes, node, leader, failed))):
             text, files, again = report(title, segs)
             texts.append(text)
             found[name] = {"files": files, "returns": again}
