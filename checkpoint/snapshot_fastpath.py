@@ -109,7 +109,7 @@ class Links:
                      tuple(link for link in links if isinstance(link.owner, list)))
 
     def holds(self) -> bool:
-        # `dict.get`, not `owner[key]`: a defaultdict (the optimizer's state) stays as it is.
+        # `dict.get`, not `owner[key]`: a defaultdict stays as it is (no entry made).
         return (all(map(operator.is_, map(dict.get, self.owners, self.keys,
                                           itertools.repeat(_MISSING)), self.values))
                 and all(len(owner) == len(keys) and all(map(operator.is_, owner, keys))
