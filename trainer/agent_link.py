@@ -117,7 +117,7 @@ class AgentLink:
                     blocked: Blocked | None = None,
                     experts: ExpertTelemetry | None = None) -> None:
         """Send step `r`'s report without waiting for the reply (`settle` reads it).
-        `blocked`: what checkpoints taken after the previous step held the loop;
+        `blocked`: what checkpoints taken since the previous report held the loop;
         `experts`: a MoE model's expert figures (trainer.telemetry.expert_telemetry)."""
         report = pb.StepReport(
             generation=gp.generation,

@@ -277,7 +277,9 @@ class GenerationDriver:
         """Snapshot the current step into the node's shared memory (collective)."""
         if self.snapshots is not None:
             self.snapshots.take(self.trainer.state)
-            self._blocked.memory = self.snapshots.blocking_seconds
+            # Summed: a generation's first snapshot (after its step's report) and the next
+            # step's rewrite go out in one report.
+            self._blocked.memory = (self._blocked.memory or 0.0) + self.snapshots.blocking_seconds
 
     def drain_snapshots(self) -> None:
         """Wait until the last snapshot is written (its write runs off the step)."""
@@ -319,7 +321,7 @@ class GenerationDriver:
         if self.ckpt is not None and self._saved_step != self.step:
             started = time.perf_counter()
             self.ckpt.save_async(self.trainer.state)
-            self._blocked.durable = time.perf_counter() - started
+            self._blocked.durable = (self._blocked.durable or 0.0) + time.perf_counter() - started
             self._saved_step = self.step
 
     def save_durably(self) -> None:

@@ -28,6 +28,7 @@ from trainer.agreement import decide
 from trainer.driver import GenerationDriver
 from trainer.failure_kind import classify_failure
 from trainer.heartbeat import Heartbeat
+from trainer.loop import StepResult
 from trainer.teardown import Teardown, sever_connections
 from trainer.telemetry import expert_telemetry
 from trainer.worker_log import log
@@ -95,11 +96,10 @@ class Generation:
             beat.update(gp.generation, "step", result.step)
             if self.faults is not None:
                 self.faults.check(result.step)
-            link.report_step(gp, result, driver.layout.dp, driver.take_blocked(),
-                             expert_telemetry(result, driver.job))
             agreed = result.agreed
             action = decide(agreed, checkpoint_seq_done)
             if action.leave_now:
+                self._report_step(driver, result)
                 return Outcome("left", result.step)
             driver.commit(result)
             if action.stop:
@@ -107,27 +107,35 @@ class Generation:
                     # The next generation can then restore this step from memory: its durable
                     # checkpoint is in pieces, one per node (docs/snapshots.md).
                     driver.snapshot()
+                self._report_step(driver, result)
                 break
             requested = action.checkpoint and not result.skipped  # else the next step's
             if requested:
                 checkpoint_seq_done = agreed.checkpoint_seq
+            if driver.snapshot_due(result.step) and driver.snapshot_is_full():
+                # A generation's first snapshot is a full DCP save (collective, on the step):
+                # the agent hears of the step first (a recovery ends at its report), and the
+                # save takes the checkpoint phase's deadline.
+                self._report_step(driver, result)
+                beat.phase("checkpoint")
+                driver.snapshot()
+                beat.phase("step")
+            else:
+                # A rewrite is a memory copy within the step's own progress deadline (each
+                # phase change is a heartbeat sent at once: two calls a step for nothing).
+                # The report goes out after it and carries its time: sent before, the agent's
+                # reply came back during the copy and its handling on gRPC's thread took the
+                # GIL from it (0.04 ms of a 0.29 ms snapshot in `bench.overhead --pin`); it
+                # lands in the next step instead.
+                if driver.snapshot_due(result.step):
+                    driver.snapshot()
+                self._report_step(driver, result)
             if result.step < driver.last_step and (
                 requested or driver.checkpoint_due(result.step)
             ):
                 beat.phase("checkpoint")  # staging, and waiting for the previous save
                 driver.save()
                 beat.phase("step")
-            if driver.snapshot_due(result.step):
-                # A rewrite is a memory copy: it stays within the step's own progress deadline.
-                # Only a generation's first snapshot (a full DCP save, collective) takes the
-                # checkpoint phase's; each phase change is a heartbeat sent at once, two calls
-                # to the agent a step for nothing.
-                full = driver.snapshot_is_full()
-                if full:
-                    beat.phase("checkpoint")
-                driver.snapshot()
-                if full:
-                    beat.phase("step")
             self._report_commits(driver)
             if first:  # the step is in: free the worlds left before, learn new caches
                 first = False
@@ -140,6 +148,10 @@ class Generation:
         self._report_commits(driver)
         link.report_done(gp, driver.step, driver.consumed_samples, stopped=not finished)
         return Outcome("done" if finished else "stopped", driver.step)
+
+    def _report_step(self, driver: GenerationDriver, result: StepResult) -> None:
+        self.link.report_step(self.gp, result, driver.layout.dp, driver.take_blocked(),
+                              expert_telemetry(result, driver.job))
 
     def _report_commits(self, driver: GenerationDriver) -> None:
         for step, path, seconds in driver.new_commits():  # rank 0 only

@@ -199,8 +199,10 @@ def test_a_snapshot_every_step_stays_in_the_step_phase_after_the_first(tmp_path,
         assert codes == [0] * WORLD, tail(tmp_path)
         snapped = {(r.global_rank, r.step) for r in agent.requests("ReportStep")
                    if r.HasField("snapshot_blocking_seconds")}
-        # Reported with the next step: each of steps 1..steps-1 was snapshotted (not the last).
-        assert snapped == {(rank, s) for rank in range(WORLD) for s in range(2, steps + 1)}
+        # Each of steps 1..steps-1 was snapshotted (not the last): a rewrite (steps 2..) is
+        # reported with its own step, the generation's first (a full save, taken after its
+        # step's report) with the next, step 2.
+        assert snapped == {(rank, s) for rank in range(WORLD) for s in range(2, steps)}
         for rank in range(WORLD):
             beats = [b for b in agent.requests("Heartbeat") if b.local_rank == rank]
             assert {b.step for b in beats if b.phase == "checkpoint"} <= {1, steps}, beats
