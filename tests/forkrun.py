@@ -16,6 +16,7 @@ the tests of the torchrun entry keep it).
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import os
 import signal
 import sys
@@ -34,6 +35,7 @@ GRACE_S = 10.0  # after a rank fails, how long the others have to fail on their 
 def _rank(rank: int, nproc: int, port: int, argv: list[str], launcher: int) -> None:
     """The child: torchrun's rank environment, then the trainer's entry; never returns."""
     die_with_agent()  # with the launcher, when a test's timeout kills it
+    faulthandler.enable()  # a rank killed by a fatal signal prints its Python stacks
     if os.getppid() != launcher:
         os._exit(1)
     os.environ.update({
@@ -54,17 +56,22 @@ def _rank(rank: int, nproc: int, port: int, argv: list[str], launcher: int) -> N
     os._exit(code)
 
 
+def _exit_text(rank: int, code: int, at: float) -> str:
+    how = f"code {code}" if code >= 0 else f"signal {signal.Signals(-code).name}"
+    return f"rank {rank} {how} at {at:.2f} s"
+
+
 def launch(nproc: int, argv: list[str]) -> int:
     port = free_port()
     sys.stdout.flush()
     sys.stderr.flush()
-    pids, launcher = {}, os.getpid()
+    pids, launcher, start = {}, os.getpid(), time.monotonic()
     for rank in range(nproc):
         pid = os.fork()
         if pid == 0:
             _rank(rank, nproc, port, argv, launcher)
         pids[pid] = rank
-    first_failure, deadline = 0, None
+    first_failure, deadline, exits = 0, None, []
     while pids:
         if deadline is not None and time.monotonic() > deadline:
             for pid in pids:
@@ -74,11 +81,14 @@ def launch(nproc: int, argv: list[str]) -> int:
         if pid == 0:
             time.sleep(0.05)
             continue
-        pids.pop(pid)
         code = os.waitstatus_to_exitcode(status)
+        exits.append(_exit_text(pids.pop(pid), code, time.monotonic() - start))
         if code != 0 and first_failure == 0:
             first_failure = code if code > 0 else 1
             deadline = time.monotonic() + GRACE_S
+    if first_failure:
+        # Last on stderr, where a test's message (the tail) shows it: which rank went first, how.
+        print(f"forkrun: ranks exited in this order: {'; '.join(exits)}", file=sys.stderr)
     return first_failure
 
 
