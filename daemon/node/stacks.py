@@ -1,11 +1,14 @@
-"""The Python stacks of a hung worker, asked for just before the watchdog kills it.
+"""The Python stacks of a hung worker, asked for just before the watchdog kills it, and those a
+worker wrote as it died of a fatal signal.
 
 The supervisor opens one file per worker in the agent's state directory and hands the worker
 its descriptor (trainer/stack_dump.py is the worker's side): SIGUSR1 makes faulthandler append
 every thread's stack to it. `ask_stacks` sends the signal and waits, at most `STACKS_WAIT_S`,
 for the file to grow and settle. A stopped worker (SIGSTOP) cannot answer, so it is not waited
 for; one that does not answer in time gets a note instead of stacks. Either way the kill is
-delayed by at most the wait (docs/observability.md, "Stacks of a hung worker").
+delayed by at most the wait. A worker that dies of SIGSEGV, SIGBUS, SIGFPE, SIGILL or SIGABRT
+has written its stacks to the same file first (faulthandler); `crash_stacks` reads them back
+(docs/observability.md, "Stacks of a hung or crashed worker").
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from pathlib import Path
 STACKS_WAIT_S = 1.0
 _POLL_S = 0.02
 LOG_STACKS_BYTES = 64 * 1024  # the tail of a dump that goes to the agent log
+_FATAL = b"Fatal Python error: "  # how faulthandler begins a dump on a fatal signal
 
 
 def open_stacks_file(path: Path) -> int:
@@ -59,3 +63,18 @@ async def ask_stacks(pid: int, path: Path, stopped: bool, wait: float = STACKS_W
     with path.open("rb") as f:
         f.seek(max(before, seen - LOG_STACKS_BYTES))
         return f.read(seen - f.tell()).decode(errors="replace").rstrip("\n")
+
+
+def crash_stacks(path: Path) -> str:
+    """What the worker wrote to `path` as it died of a fatal signal (from faulthandler's "Fatal
+    Python error" line on, at most LOG_STACKS_BYTES), or "" when it wrote nothing of the kind:
+    a SIGKILL, a plain exit, an earlier SIGUSR1 answer only."""
+    try:
+        with path.open("rb") as f:
+            f.seek(0, os.SEEK_END)
+            f.seek(max(0, f.tell() - LOG_STACKS_BYTES))
+            tail = f.read()
+    except OSError:
+        return ""
+    start = tail.rfind(_FATAL)
+    return tail[start:].decode(errors="replace").rstrip("\n") if start >= 0 else ""

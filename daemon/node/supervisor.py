@@ -15,7 +15,7 @@ A worker is `python -m <worker_module>` with:
 and dies with its agent, so a killed node leaves no orphan holding devices.
   ULTRA_STACKS_FD                        a file of the agent's (worker-<rank>.stacks beside its
 log, 0600) where SIGUSR1 makes the worker write its Python stacks: `ask_stacks` before a hung
-worker is killed (daemon/node/stacks.py).
+worker is killed, `crash_stacks` after one died of a fatal signal (daemon/node/stacks.py).
 
 With `standby`, the supervisor also keeps one spare worker per node, started once the node's
 workers have trained a step: it has imported torch and waits on its stdin (ULTRA_LOCAL_RANK is
@@ -37,7 +37,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from daemon.node.stacks import ask_stacks, open_stacks_file
+from daemon.node.stacks import ask_stacks, crash_stacks, open_stacks_file
 from daemon.node.worker_logs import log_path as worker_log_path
 from daemon.node.worker_logs import open_log, rotate
 from daemon.procutil import is_stopped
@@ -53,6 +53,7 @@ class WorkerExit:
     expected: bool  # we asked it to go (stop/kill), or it exited 0
     log_path: Path
     error: str = ""  # the first lines of its error file, if it wrote one
+    stacks: str = ""  # its Python stacks, when it died of a fatal signal (SIGSEGV, ...)
 
 
 STANDBY = -1  # the local rank of the standby worker until it is adopted
@@ -225,10 +226,13 @@ class Supervisor:
         error = ""
         with contextlib.suppress(OSError):
             error = worker.error_path.read_text()[:2000]
+        # Killed by a signal it did not ask for: a crash leaves its stacks (trainer/stack_dump.py).
+        stacks = crash_stacks(worker.stacks_path) if code < 0 and not worker.stopping else ""
         exit_ = WorkerExit(worker.local_rank, worker.proc.pid, code,
-                           worker.stopping or code == 0, worker.log_path, error)
+                           worker.stopping or code == 0, worker.log_path, error, stacks)
         (log.info if exit_.expected else log.error)(
-            "worker local_rank=%d pid=%d exited with %d", exit_.local_rank, exit_.pid, code)
+            "worker local_rank=%d pid=%d exited with %d%s", exit_.local_rank, exit_.pid, code,
+            f"; its stacks:\n{stacks}" if stacks else "")
         self.on_exit(exit_)
 
     async def stop(self, local_ranks: Iterable[int] | None = None, grace: float = 5.0) -> None:

@@ -145,7 +145,8 @@ class NodeWorkers:
         if failure is None:
             return
         self.on_worker_failure(exit_.local_rank, failure.generation, failure.kind,
-                               failure.step, failure.message, stacks=hung[1] if hung else "")
+                               failure.step, failure.message,
+                               stacks=hung[1] if hung else exit_.stacks)
         actions = decide_node(facts)  # taken after the worker exited: its rank has none
         if actions.start:  # at once: the next generation will want this local rank again
             self._tasks.spawn(self._start(actions.start, actions.adopt),

@@ -149,6 +149,47 @@ def test_supervisor_spawns_reports_deaths_and_stops(tmp_path: Path) -> None:
     assert stopped and stopped[0].expected
 
 
+def test_a_worker_that_crashes_leaves_its_python_stacks(tmp_path: Path) -> None:
+    """A worker that dies of SIGSEGV (a crash in C code: here a read of address 0) has written
+    its Python stacks to the agent's file first; the supervisor reports them with the exit. A
+    worker killed by SIGKILL writes nothing, and an earlier SIGUSR1 answer is not a crash's."""
+    worker = tmp_path / "crashworker.py"
+    worker.write_text(
+        "import ctypes, os, signal, time\n"
+        "import trainer.stack_dump  # armed from ULTRA_STACKS_FD, as trainer.worker imports it\n"
+        "def inside_a_collective():\n"
+        "    ctypes.string_at(0)\n"
+        "if os.environ['ULTRA_LOCAL_RANK'] == '0':\n"
+        "    inside_a_collective()\n"
+        "os.kill(os.getpid(), signal.SIGUSR1)\n"
+        "time.sleep(0.3)\n"
+        "os.kill(os.getpid(), signal.SIGKILL)\n"
+    )
+    root = Path(__file__).resolve().parents[2]
+    exits: list[WorkerExit] = []
+
+    async def scenario() -> None:
+        sup = Supervisor("n1", tmp_path / "agent.sock", tmp_path / "logs", exits.append,
+                         worker_module="crashworker",
+                         extra_env={"PYTHONPATH": f"{tmp_path}:{root}"})
+        assert await sup.ensure([0, 1]) == [0, 1]
+        for _ in range(400):
+            if len(exits) == 2:
+                break
+            await asyncio.sleep(0.025)
+        await sup.stop(grace=0)
+
+    asyncio.run(scenario())
+    by_rank = {e.local_rank: e for e in exits}
+    crashed, killed = by_rank[0], by_rank[1]
+    assert crashed.returncode == -11 and not crashed.expected, crashed
+    assert crashed.stacks.startswith("Fatal Python error: Segmentation fault"), crashed.stacks
+    assert "in inside_a_collective" in crashed.stacks and "crashworker.py" in crashed.stacks
+    assert killed.returncode == -9 and killed.stacks == "", killed
+    # The SIGUSR1 answer is in rank 1's file all the same: it was written, not reported.
+    assert "crashworker.py" in (tmp_path / "logs" / "worker-1.stacks").read_text()
+
+
 def test_standby_worker_takes_a_dead_workers_rank(tmp_path: Path) -> None:
     """The standby (trainer.standby's protocol) takes a local rank that lost its worker: the
     rank's log, error file and environment; it is no rank's failure if it dies unadopted; and
