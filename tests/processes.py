@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import contextlib
 import os
+import select
 import signal
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 from daemon.cli.local import LocalCluster
@@ -59,6 +60,54 @@ def alive(pid: int) -> bool:
     return state != "Z"
 
 
+class Held:
+    """Processes held by a pidfd each: a signal later reaches the process a pid named when it
+    was held, or none once that process is gone, never another that took the number since.
+
+    Tests note an agent's descendants, wait (a cluster's stop, a drain), then kill what is
+    left. By pid, a number freed meanwhile and taken by another test's process would be
+    killed instead: pid_max is 32768 on such machines, every thread takes a number, and the
+    suite starts thousands of them a minute. `kill(pid)` also accepts a thread's id, so the
+    victim could be any rank of a concurrent test."""
+
+    def __init__(self, pids: Iterable[int] = ()) -> None:
+        self._fds: dict[int, int] = {}
+        self.add(pids)
+
+    def add(self, pids: Iterable[int]) -> None:
+        for pid in pids:
+            if pid in self._fds and not self._gone(self._fds[pid]):
+                continue
+            with contextlib.suppress(ProcessLookupError):
+                fd = os.pidfd_open(pid)
+                if pid in self._fds:  # the held one is gone and a new one has its number
+                    os.close(self._fds[pid])
+                self._fds[pid] = fd
+
+    @property
+    def pids(self) -> list[int]:
+        return list(self._fds)
+
+    @staticmethod
+    def _gone(fd: int) -> bool:
+        # A pidfd reads as ready once its process has exited (a zombie included).
+        return bool(select.select([fd], [], [], 0)[0])
+
+    def running(self) -> list[int]:
+        """The held processes that have not exited."""
+        return [pid for pid, fd in self._fds.items() if not self._gone(fd)]
+
+    def kill(self, sig: int = signal.SIGKILL) -> None:
+        for fd in self._fds.values():
+            with contextlib.suppress(ProcessLookupError):
+                signal.pidfd_send_signal(fd, sig)
+
+    def close(self) -> None:
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds.clear()
+
+
 @contextlib.contextmanager
 def running(cluster: LocalCluster) -> Iterator[LocalCluster]:
     """Start a LocalCluster; on exit stop it and kill any worker its agents left behind."""
@@ -66,9 +115,10 @@ def running(cluster: LocalCluster) -> Iterator[LocalCluster]:
         cluster.start()
         yield cluster
     finally:
-        workers = [w for p in cluster.agents.values() if p.poll() is None
-                   for w in descendants(p.pid)]
-        cluster.stop()
-        for pid in workers:
-            if alive(pid):
-                os.kill(pid, signal.SIGKILL)
+        workers = Held(w for p in cluster.agents.values() if p.poll() is None
+                       for w in descendants(p.pid))
+        try:
+            cluster.stop()
+            workers.kill()
+        finally:
+            workers.close()

@@ -45,7 +45,7 @@ from proto.ultrascale.v1 import agent_pb2 as pb
 from proto.ultrascale.v1 import agent_pb2_grpc as pb_grpc
 from tests.conftest import small_job_text
 from tests.netns import Hosts
-from tests.processes import alive, descendants, worker_pids
+from tests.processes import Held, descendants, worker_pids
 
 GLOBAL_BATCH = 10  # small_job_text's
 RTOL = 1e-6
@@ -218,7 +218,7 @@ class ChaosRun:
         self.faults: list[Fault] = []
         self.stopped: set[int] = set()  # pids we SIGSTOPped and have not SIGCONTed
         self.unreachable: set[str] = set()  # nodes whose network we cut: not asked over RPC
-        self.workers: set[int] = set()  # every worker pid seen, killed at the end
+        self.workers = Held()  # every worker seen, killed at the end
         self.recorded = False
         self.outcome = Outcome()
         self.started_at = time.time()
@@ -245,10 +245,9 @@ class ChaosRun:
                 signal_pid(self.cluster.etcd.proc.pid, signal.SIGCONT)
             self.cluster.stop()
         finally:
-            for pid in self.workers:
-                if alive(pid):
-                    signal_pid(pid, signal.SIGCONT)
-                    signal_pid(pid, signal.SIGKILL)
+            self.workers.kill(signal.SIGCONT)
+            self.workers.kill(signal.SIGKILL)
+            self.workers.close()
             for k, v in self._saved_env.items():
                 if v is None:
                     os.environ.pop(k, None)
@@ -334,7 +333,7 @@ class ChaosRun:
     def note_workers(self) -> None:
         for proc in self.cluster.agents.values():
             if proc.poll() is None:
-                self.workers.update(descendants(proc.pid))
+                self.workers.add(descendants(proc.pid))
 
     def worker_pids(self, node: str) -> list[int]:
         proc = self.cluster.agents[node]

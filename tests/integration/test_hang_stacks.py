@@ -24,7 +24,7 @@ from tests.conftest import small_job_text
 from tests.integration.conftest import wait_for_members, wait_until
 from tests.integration.test_crash_loop import ctl
 from tests.integration.test_training_recovery import committed_steps
-from tests.processes import alive, running, worker_pids
+from tests.processes import Held, running, worker_pids
 
 pytestmark = pytest.mark.integration
 HANG_AT, HEARTBEAT_TIMEOUT_S = 3, 3.0
@@ -74,8 +74,10 @@ def test_a_stopped_worker_is_killed_in_time_without_stacks(tmp_path: Path,
         agent = cluster.agents["node-0"].pid
         [pid] = wait_until(lambda: worker_pids(agent) or None, 10, "the worker")
         stopped_at = time.monotonic()
+        worker = Held([pid])
         os.kill(pid, signal.SIGSTOP)
-        wait_until(lambda: not alive(pid), 60, "the stopped worker to be killed")
+        wait_until(lambda: not worker.running(), 60, "the stopped worker to be killed")
+        worker.close()
         took = time.monotonic() - stopped_at
         events = failure_event(cluster)
         agent_log = (state / "node-0" / "ultrad.log").read_text()

@@ -24,7 +24,7 @@ from daemon.cli.local import LocalCluster
 from proto.ultrascale.v1 import agent_pb2 as pb
 from proto.ultrascale.v1 import agent_pb2_grpc as pb_grpc
 from tests.integration.conftest import ROOT, wait_until
-from tests.processes import alive, descendants
+from tests.processes import Held, descendants
 
 pytestmark = pytest.mark.integration
 
@@ -72,19 +72,17 @@ def local(tmp_path: Path) -> Iterator[tuple[subprocess.Popen[bytes], Path]]:
             stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=ROOT,
             start_new_session=True,
             env={**os.environ, "PYTHONPATH": str(ROOT), "XDG_CONFIG_HOME": str(tmp_path)})
-    seen: set[int] = set()
     try:
         yield proc, state
     finally:
-        seen.update(descendants(proc.pid))
+        seen = Held(descendants(proc.pid))
         if proc.poll() is None:
             proc.send_signal(signal.SIGTERM)
             with contextlib.suppress(subprocess.TimeoutExpired):
                 proc.wait(60)
-        for pid in [proc.pid, *seen]:
-            if alive(pid):
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, signal.SIGKILL)
+        proc.kill()
+        seen.kill()
+        seen.close()
         proc.wait()
 
 

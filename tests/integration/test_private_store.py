@@ -20,7 +20,7 @@ import pytest
 from daemon.control.etcd_server import EtcdServer
 from daemon.procutil import terminate
 from tests.integration.conftest import ROOT, wait_until
-from tests.processes import alive, descendants
+from tests.processes import Held, descendants
 
 pytestmark = pytest.mark.integration
 
@@ -111,21 +111,20 @@ def ultrad_local(tmp_path: Path, name: str, made: list[Path]
             stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=ROOT,
             start_new_session=True,
             env={**os.environ, "PYTHONPATH": str(ROOT), "XDG_CONFIG_HOME": str(tmp_path)})
-    seen: set[int] = set()
+    seen = Held()
     try:
         wait_until(lambda: _snapshot_dir(proc) or proc.poll() is not None, 120,
                    f"ultrad local's agent ({state})")
         snapshots = _snapshot_dir(proc)
         assert proc.poll() is None and snapshots, (state / "local.log").read_text()
         made.append(snapshots)
-        seen.update(descendants(proc.pid))
+        seen.add(descendants(proc.pid))
         yield proc, snapshots
     finally:
-        seen.update(descendants(proc.pid))
-        for pid in [proc.pid, *seen]:
-            if alive(pid):
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, signal.SIGKILL)
+        seen.add(descendants(proc.pid))
+        proc.kill()
+        seen.kill()
+        seen.close()
         proc.wait()
 
 
@@ -134,23 +133,23 @@ def test_ultrad_local_stopped_by_a_signal_leaves_no_snapshot_and_no_process(tmp_
     with ultrad_local(tmp_path, "local", made) as (proc, snapshots):
         wait_until(lambda: _has_a_step(snapshots) or proc.poll() is not None, 300,
                    "a first snapshot")
-        family = descendants(proc.pid)
-        assert proc.poll() is None and family, "ultrad local ended before the test stopped it"
+        family = Held(descendants(proc.pid))
+        assert proc.poll() is None and family.pids, "ultrad local ended before the test stopped it"
         os.kill(proc.pid, sig)
         code = proc.wait(120)
         assert not snapshots.exists(), f"{snapshots} left behind (exit {code})"
-        wait_until(lambda: not any(alive(p) for p in family), 30,
-                   "every process it started to end")
+        wait_until(lambda: not family.running(), 30, "every process it started to end")
+        family.close()
         assert code == 128 + sig
 
 
 def test_the_next_ultrad_local_removes_what_a_killed_one_left(tmp_path, made):
     with ultrad_local(tmp_path, "killed", made) as (first, left):
-        family = descendants(first.pid)
+        family = Held(descendants(first.pid))
         first.kill()  # nothing runs on SIGKILL: its snapshot directory stays, for now
         first.wait()
-        wait_until(lambda: not any(alive(p) for p in family), 30,
-                   "its agent and etcd to die with it")
+        wait_until(lambda: not family.running(), 30, "its agent and etcd to die with it")
+        family.close()
         assert left.is_dir()
     with ultrad_local(tmp_path, "next", made) as (second, mine):
         assert not left.exists(), f"{left}, of a killed ultrad local, is still there"

@@ -19,7 +19,7 @@ from tests.integration.test_training_elastic import (  # noqa: F401 - fixtures
     generations,
     reference,
 )
-from tests.processes import alive, descendants
+from tests.processes import Held, descendants
 
 pytestmark = pytest.mark.integration
 
@@ -32,11 +32,12 @@ def test_sigterm_leaves_at_a_step_boundary_and_exits_0(elastic, reference) -> No
     # A node that does not lead: its leaving then tests the drain, not a leader hand-over.
     victim = next(n for n in ("node-2", "node-1", "node-0") if n != leader)
     proc = e.cluster.agents[victim]
-    workers = descendants(proc.pid)
-    assert workers, "the victim has no worker"
+    workers = Held(descendants(proc.pid))
+    assert workers.pids, "the victim has no worker"
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(240) == 0, e.log(victim)[-3000:]
-    assert not any(alive(w) for w in workers)
+    assert not workers.running()
+    workers.close()
     log = e.log(victim)
     # Left once its generation stopped at the boundary, or once the next one excluded it.
     assert "SIGTERM: draining" in log and "drained: " in log, log[-3000:]

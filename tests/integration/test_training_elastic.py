@@ -34,7 +34,7 @@ from proto.ultrascale.v1 import agent_pb2_grpc as pb_grpc
 from tests.conftest import small_job_text
 from tests.distributed.reference import reference_run
 from tests.integration.conftest import ROOT, wait_until
-from tests.processes import descendants, worker_pids
+from tests.processes import Held, descendants, worker_pids
 
 pytestmark = pytest.mark.integration
 
@@ -63,7 +63,7 @@ class Elastic:
             token_file, job={"name": "elastic"}, train={"steps": STEPS},
             checkpoint={"dir": "checkpoints", "every": every, "keep": keep},
             **({"fault": fault} if fault else {})))
-        self.workers: set[int] = set()  # every worker pid seen, killed at the end if still alive
+        self.workers = Held()  # every worker seen, killed at the end if still alive
 
     @property
     def token(self) -> str:
@@ -86,7 +86,7 @@ class Elastic:
     def note_workers(self) -> None:
         for proc in self.cluster.agents.values():
             if proc.poll() is None:
-                self.workers.update(descendants(proc.pid))
+                self.workers.add(descendants(proc.pid))
 
     def lines(self) -> list[dict[str, Any]]:
         path = self.output / "steps.jsonl"
@@ -152,9 +152,8 @@ class Elastic:
         try:
             self.cluster.stop()
         finally:
-            for pid in self.workers:
-                with contextlib.suppress(ProcessLookupError, PermissionError):
-                    os.kill(pid, signal.SIGKILL)
+            self.workers.kill()
+            self.workers.close()
 
 
 @pytest.fixture
@@ -236,18 +235,14 @@ def test_join_mid_run_no_lost_step(elastic, reference) -> None:
     e.wait_step(TRIGGER_STEP)
     assert set(generations(e.lines()).values()) == {2}
     e.note_workers()
-    held = sorted(e.workers)
-    for pid in held:
-        os.kill(pid, signal.SIGSTOP)
+    e.workers.kill(signal.SIGSTOP)
     try:
         e.cluster.start_agent("node-2")
         e.cluster.wait_agent("node-2", time.monotonic() + 60)
         wait_until(lambda: any(ev["kind"] == "node-joined" and ev["node"] == "node-2"
                                for ev in e.events()), 60, "node-2's join event", interval=0.2)
     finally:
-        for pid in held:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGCONT)
+        e.workers.kill(signal.SIGCONT)
     statuses = e.wait_finished()
 
     gens = generations(e.lines())

@@ -23,7 +23,7 @@ from proto.ultrascale.v1 import agent_pb2 as pb
 from tests.conftest import small_job_text
 from tests.distributed.reference import reference_run
 from tests.integration.conftest import wait_until
-from tests.processes import alive, running
+from tests.processes import Held, running
 
 pytestmark = pytest.mark.integration
 STEPS, BATCH, KILL_AT = 16, 10, 8
@@ -82,15 +82,16 @@ def test_kill_one_agent_mid_run(cluster: LocalCluster, token_file: Path, tmp_pat
     )
 
     victim = cluster.agents["node-2"]
-    orphans = worker_pids(victim.pid)
-    assert orphans, "node-2 runs a worker"
+    orphans = Held(worker_pids(victim.pid))
+    assert orphans.pids, "node-2 runs a worker"
     victim.send_signal(signal.SIGKILL)
     # The kernel kills the worker with its agent (PR_SET_PDEATHSIG). What is checked is that it
     # does not outlive the agent, not how fast a killed process finishes exiting: in one CI run
     # on a loaded machine it was still there after 1 s, a former bound.
     wait_until(
-        lambda: not any(alive(p) for p in orphans), 10.0, "the victim's worker to die with it", 0.02
+        lambda: not orphans.running(), 10.0, "the victim's worker to die with it", 0.02
     )
+    orphans.close()
 
     def finished() -> bool:
         status = _call(cluster, token, "GetStatus", pb.GetStatusRequest())

@@ -3,7 +3,6 @@ node is one torchrun process (its agent) with its workers, trained on examples/t
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import signal
@@ -17,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import REPO, worker_env
-from tests.processes import descendants
+from tests.processes import Held, descendants
 
 RUN_ID = "tiny-torchrun"
 STEPS = 6
@@ -51,12 +50,11 @@ class TorchrunNode:
 
     def kill(self) -> None:
         """SIGKILL the agent and then its workers: the node is gone, as in a crash."""
-        workers = descendants(self.proc.pid)
+        workers = Held(descendants(self.proc.pid))
         self.proc.send_signal(signal.SIGKILL)
         self.proc.wait()
-        for pid in workers:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
+        workers.kill()
+        workers.close()
 
     def stop(self) -> None:
         if self.proc.poll() is None:
