@@ -12,8 +12,9 @@ AdamW's two moments (so the state is 3x that), on `--device`. For each size, med
   first snapshot of a generation: a full DCP save);
 - rewrite, every later snapshot of a generation (the same layout rewritten, no planning, no
   collective) as the worker takes it (`trainer.snapshots.Snapshots`): the time the step is held
-  (the copy into the staging buffer; on a GPU only queued), until the copy is in host memory,
-  and until the shard, its checksums and records are written (off the step);
+  (the copy into the staging buffer only queued: on the writer thread on CPU, on a side stream
+  on a GPU), until the copy is in host memory (what the next optimizer update waits for), and
+  until the shard, its checksums and records are written (off the step);
 - async_save staging: the time `dcp.async_save` blocks the caller (planning + staging the state
   to CPU memory) before it writes a durable checkpoint in the background.
 
@@ -113,9 +114,8 @@ def _measure(size_mb: int, runs: int, device: str) -> dict[str, list[float]]:
             started = time.perf_counter()
             assert taken.take(state)
             times["held"].append(time.perf_counter() - started)
-            staging = taken._staging  # noqa: SLF001  (what the copy went into)
-            assert staging is not None
-            staging.wait()
+            taken.fence()  # as the next update: the copy made (CPU) or queued before (GPU)
+            _sync(device)
             times["copied"].append(time.perf_counter() - started)
             assert taken.drain()
             times["written"].append(time.perf_counter() - started)

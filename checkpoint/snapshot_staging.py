@@ -1,22 +1,26 @@
-"""A rewrite's two halves: the copy that holds the step, and the writing that does not.
+"""A rewrite's two halves: the capture that holds the step, and the copy and writing that do not.
 
 A rewrite (`snapshot_writer.rewrite_snapshot`) puts the same items at the same offsets of a
-shard every step. Only one part of it has to happen before the next step may change the state:
-copying the state's tensors somewhere the step cannot overwrite. So a rewrite is split:
+shard every step. Only one thing has to happen before the next step may change the state:
+copying the state's tensors somewhere the step cannot overwrite, and the first thing that
+overwrites them is the next optimizer update. So a rewrite is split:
 
-- `stage_rewrite` (on the step, in checkpoint/snapshot_writer.py): every tensor item is
-  copied into its place in a `HostStaging` buffer (host memory allocated once per generation,
-  its pages touched up front; pinned when the state is on a GPU), and every byte item's
-  current value is captured. On CPU a rewrite on the fast path copies through a `CopyPlan`:
-  one `torch.cat` into the buffer per run of adjacent items (not one copy per tensor, whose
-  dispatch cost more than the bytes on a small model); else one `torch._foreach_copy_`.
-  On a GPU the copies are queued on a side stream after the step's own work, the host does
-  not wait for them, and `fence()` makes the training stream wait for them (not the host)
-  before the next optimizer update, the first thing that overwrites what was copied;
-- `StagedShard.write` (off the step, `trainer.snapshots` runs it on a thread): waits for the
-  copy, pickles the byte items into their slots in the buffer, writes the buffer as the shard
-  file with `pwritev`, checksums it, writes the rank's record and (coordinator) `.metadata`
-  and the manifest. The next stage of the same buffer waits for it.
+- `stage_rewrite` (on the step, in checkpoint/snapshot_writer.py): every tensor item's source
+  is fixed (a view of the live tensor's memory, or a tensor read now: the RNG state) and every
+  byte item's current value is captured. The copy of the tensors into their places in a
+  `HostStaging` buffer (host memory allocated once per generation, its pages touched up front;
+  pinned when the state is on a GPU) is queued, not done: on CPU it runs first thing on the
+  rank's writer thread, following a `CopyPlan` on the fast path (one `torch.cat` into the
+  buffer per run of adjacent items, not one copy per tensor, whose dispatch cost more than the
+  bytes on a small model; else one `torch._foreach_copy_`); on a GPU it is queued on a side
+  stream after the step's own work. Either way the next step's forward and backward run while
+  it copies, and `fence()`, called just before the next optimizer update, waits for it: on CPU
+  the host waits (the time is the snapshot's, `fence` returns it), on a GPU the training
+  stream does and the host does not;
+- `StagedShard.write` (off the step, `trainer.snapshots` runs it on a thread): makes the copy
+  (CPU) or waits for it (GPU), pickles the byte items into their slots in the buffer, writes
+  the buffer as the shard file with `pwritev`, checksums it, writes the rank's record and
+  (coordinator) `.metadata` and the manifest. The next stage of the same buffer waits for it.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import pickle
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -102,10 +107,23 @@ class CopyPlan:
 
     def copy(self) -> None:
         """Copy every item's current bytes into its place."""
-        for run in self.runs:
-            torch.cat(run.sources, out=run.out)
-        for destination, source in self.alone:
-            destination.copy_(tensor_as_bytes(source() if callable(source) else source))
+        self.capture()()
+
+    def capture(self) -> Callable[[], None]:
+        """The copy of every item as it is now, to run later: an item read anew for every
+        rewrite (the RNG state) is read here; the views of live tensors are read when the copy
+        runs, so the caller must not let anything change those tensors before it has."""
+        runs = self.runs
+        alone = [(destination, source() if callable(source) else source)
+                 for destination, source in self.alone]
+
+        def copy() -> None:
+            for run in runs:
+                torch.cat(run.sources, out=run.out)
+            for destination, source in alone:
+                destination.copy_(tensor_as_bytes(source))
+
+        return copy
 
 
 def _end(t: torch.Tensor) -> int:
@@ -141,26 +159,57 @@ class HostStaging:
                              for i in tensor_items]
         self.stream = torch.cuda.Stream(device) if accelerated else None
         self.copied: torch.cuda.Event | None = None  # the last stage's copies, on `stream`
+        # CPU: the last stage's copy, not yet made, and a lock held until it is (released by
+        # the thread that makes it, `complete()`).
+        self._queued: Callable[[], None] | None = None
+        self._copying = threading.Lock()
         self.held: ByteValues | None = None  # what the byte items' slots hold (None: unknown)
         self._plan: CopyPlan | None = None  # the last fast path's, on CPU
 
     def memory(self) -> memoryview:
         return memoryview(self.buffer.numpy())
 
-    def fence(self) -> None:
-        """Make the current (training) stream wait for the last stage's copies; the host does
-        not wait. A no-op on CPU, where a stage's copies are done when it returns."""
+    def fence(self) -> float:
+        """Before anything overwrites what the last stage copies from: on a GPU the current
+        (training) stream waits for its copies and the host does not; on CPU the host waits
+        until `complete()` has made the copy. The seconds the host waited."""
         if self.copied is not None:
             torch.cuda.current_stream(self.device).wait_event(self.copied)
+            return 0.0
+        if not self._copying.locked():
+            return 0.0
+        started = time.perf_counter()
+        with self._copying:
+            pass
+        return time.perf_counter() - started
+
+    def _queue(self, copy: Callable[[], None]) -> None:
+        if self._queued is not None:
+            raise RuntimeError("a snapshot stage was queued before the last one was copied")
+        self._copying.acquire()
+        self._queued = copy
+
+    def complete(self) -> None:
+        """Make the last stage's copy, if it is still queued (CPU), or wait for it (GPU):
+        after this the buffer holds every tensor item's bytes. Any thread may call it."""
+        copy, self._queued = self._queued, None
+        if copy is not None:
+            try:
+                copy()
+            finally:
+                self._copying.release()
+        if self.copied is not None:
+            self.copied.synchronize()
 
     def copy(self, sources: list[torch.Tensor]) -> None:
         """Copy each tensor item's bytes (`snapshot_fastpath.tensor_as_bytes`), in
-        `destinations`' order, into its place."""
+        `destinations`' order, into its place: queued for `complete()` on CPU, on the side
+        stream on a GPU. Nothing may change the sources before `fence()`."""
         destinations = self.destinations
         if not destinations:
             return
         if self.stream is None:
-            torch._foreach_copy_(destinations, sources)  # noqa: SLF001
+            self._queue(lambda: torch._foreach_copy_(destinations, sources))  # noqa: SLF001
             return
         current = torch.cuda.current_stream(self.device)
         self.stream.wait_stream(current)  # after the step's own update of the state
@@ -174,14 +223,14 @@ class HostStaging:
 
     def copy_resolved(self, resolved: ResolvedTemplate) -> None:
         """Copy the fast path's tensor items (`ResolvedTemplate.tensors`, in `destinations`'
-        order) into their places: on CPU through a `CopyPlan`, made again only when
-        `resolved` is another one."""
+        order) into their places, as `copy` does: on CPU through a `CopyPlan`, made again
+        only when `resolved` is another one."""
         if self.stream is not None:
             self.copy(resolved.tensor_bytes())
             return
         if self._plan is None or self._plan.resolved is not resolved:
             self._plan = CopyPlan.build(self.buffer, self.destinations, resolved)
-        self._plan.copy()
+        self._queue(self._plan.capture())
 
     def put_values(self, values: ByteValues) -> None:
         """Pickle each byte value into the slots of the items that hold it, except a value
@@ -199,16 +248,11 @@ class HostStaging:
                 memory[offset:offset + length] = slot(raw, length)
         self.held = values
 
-    def wait(self) -> None:
-        """Block until the last stage's copies are in the buffer."""
-        if self.copied is not None:
-            self.copied.synchronize()
-
 
 @dataclasses.dataclass
 class StagedShard:
-    """A rewrite whose tensors are copied (or being copied) into `staging`: what is left to
-    write. `values` holds the byte items' values, captured when staged."""
+    """A rewrite whose tensors are queued for copying into `staging`: what is left to do.
+    `values` holds the byte items' values, captured when staged."""
 
     root: Path  # the step's directory under it is made off the step, in `write`
     rank: int
@@ -218,7 +262,7 @@ class StagedShard:
     resolved: ResolvedTemplate | None
     finish_coordinator: Callable[[Path], None] | None  # writes .metadata and the manifest
     stage_seconds: float = 0.0  # what the step paid
-    write_seconds: float = 0.0  # the shard's write, after waiting for its copy
+    write_seconds: float = 0.0  # the shard's copy (or the wait for it) and write
     checksum_seconds: float = 0.0
 
     def write(self) -> None:
@@ -226,8 +270,8 @@ class StagedShard:
         OSError or ValueError (a byte item outgrew its slot, an unsafe directory) with the
         shard or its record missing, so the step cannot be assembled."""
         started = time.perf_counter()
+        self.staging.complete()
         directory = step_dir(self.root, self.step)
-        self.staging.wait()
         self.staging.put_values(self.values)
         memory = self.staging.memory()
         private_dirs(directory.parent, directory)

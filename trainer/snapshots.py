@@ -53,16 +53,21 @@ class Snapshots:
 
     The first is a full DCP save (collective: it plans where every item goes and writes the
     metadata), all of it on the step. Every later one rewrites the same items at the same
-    offsets with no collective at all: the step pays only the copy of the state into a host
-    buffer (`stage_rewrite`); the shard's write, its checksums and the records happen on a
-    thread of this rank's own while training goes on (checkpoint/snapshot_staging.py). A rewrite
-    waits for the previous one's write (they share the buffer), and `drain()` for the last.
+    offsets with no collective at all: the step pays only for fixing what to copy
+    (`stage_rewrite`); the copy of the state into a host buffer, the shard's write, its
+    checksums and the records happen on a thread of this rank's own while training goes on
+    (checkpoint/snapshot_staging.py), and the next optimizer update waits for the copy
+    (`fence`). A rewrite waits for the previous one's write (they share the buffer), and
+    `drain()` for the last.
     """
 
     def __init__(self, root: Path, every: int, layout: dict[str, Any],
                  log: Callable[[str], None]) -> None:
         self.root, self.every, self.layout, self.log = Path(root), every, layout, log
-        self.blocking_seconds = 0.0  # the last snapshot's time on the training path, failed or not
+        # The last snapshot's time on the training path, failed or not: its own, and what the
+        # update after the snapshot before it waited for that one's copy (`fence`).
+        self.blocking_seconds = 0.0
+        self._fenced = 0.0  # what `fence` waited since the last `take`
         self.failures = 0
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self._template: Template | None = None
@@ -95,25 +100,33 @@ class Snapshots:
             else:
                 if self._staging is None:
                     self._staging = staging_for(state, self._template)
+                if self._writer is None:
+                    self._writer = WriterThread(SNAPSHOT_WRITER)
                 staged = stage_rewrite(state, self.root, self._template, self._coordinator,
                                        layout=self.layout, staging=self._staging,
                                        resolved=self._resolved)
                 self._resolved = staged.resolved
-                if self._writer is None:
-                    self._writer = WriterThread(SNAPSHOT_WRITER)
                 self._pending = (staged.step, self._writer.submit(staged.write))
         except (CheckpointException, OSError, ValueError) as exc:
-            self.blocking_seconds = time.perf_counter() - started
+            if self._staging is not None:
+                self._staging.complete()  # a copy queued and not handed over: made here
+            self._took(started)
             self._failed(state.progress.step, exc)
             return False
-        self.blocking_seconds = time.perf_counter() - started
+        self._took(started)
         return ok
 
+    def _took(self, started: float) -> None:
+        self.blocking_seconds = time.perf_counter() - started + self._fenced
+        self._fenced = 0.0
+
     def fence(self) -> None:
-        """Before an update of the state in place: on a GPU, the training stream waits for the
-        last snapshot's device-to-host copy (the host does not); nothing on CPU."""
+        """Before an update of the state in place: the last snapshot's copy must be done. On
+        CPU this waits for the writer thread to have made it (the wait counts in the next
+        snapshot's blocking time); on a GPU the training stream waits for the device-to-host
+        copy and the host does not."""
         if self._staging is not None:
-            self._staging.fence()
+            self._fenced += self._staging.fence()
 
     def drain(self) -> bool:
         """Wait for the last snapshot's write (before the state is restored or the worker

@@ -1,7 +1,8 @@
-"""A snapshot rewrite holds the step only for its copy (checkpoint/snapshot_staging.py): the
-shard's write, checksums and records happen on the rank's writer thread, hold the values of the
-step the snapshot was taken at even when training has already changed the state, and a write
-that fails there is logged and counted. One process, no process group (DCP's single-process
+"""A snapshot rewrite holds the step only while it fixes what to copy
+(checkpoint/snapshot_staging.py): the copy, the shard's write, checksums and records happen on
+the rank's writer thread, the next optimizer update waits for the copy, the snapshot holds the
+values of the step it was taken at even when training has already changed the state, and a
+write that fails there is logged and counted. One process, no process group (DCP's single-process
 mode); the last test needs a GPU (run it where one is lent)."""
 
 from __future__ import annotations
@@ -62,7 +63,7 @@ def _assert_equal(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -
         assert torch.equal(got[key], want[key]), key
 
 
-def test_the_step_pays_the_copy_and_the_write_comes_after_with_the_step_values(shm, monkeypatch):
+def test_the_write_comes_after_the_step_with_the_step_values(shm, monkeypatch):
     state = _state()
     logged: list[str] = []
     snapshots = Snapshots(shm, 1, {}, logged.append)
@@ -90,6 +91,44 @@ def test_the_step_pays_the_copy_and_the_write_comes_after_with_the_step_values(s
     release.set()
     assert snapshots.drain() and snapshots.failures == 0 and not logged
     _assert_equal(_restored(shm, 2), want)
+
+
+def test_on_cpu_the_copy_runs_off_the_step_and_the_next_update_waits_for_it(shm, monkeypatch):
+    state = _state()
+    snapshots = Snapshots(shm, 1, {}, print)
+    _train(state)
+    assert snapshots.take(state)  # the generation's first: a full save, on the step
+    _train(state, snapshots.fence)
+    assert snapshots.take(state) and snapshots.drain()  # the first rewrite
+
+    # Hold the writer thread where it would make the copy.
+    release, reached = threading.Event(), threading.Event()
+    complete = HostStaging.complete
+
+    def held_complete(self):
+        reached.set()
+        assert release.wait(30), "the test never released the writer"
+        complete(self)
+
+    monkeypatch.setattr(HostStaging, "complete", held_complete)
+    _train(state, snapshots.fence)
+    want = _values(state)
+    assert snapshots.take(state)  # returns with its copy not made: the copy is off the step
+    assert reached.wait(30)
+    # The next step runs until its update, which waits for the copy.
+    stepped = threading.Thread(target=_train, args=(state, snapshots.fence))
+    stepped.start()
+    stepped.join(0.3)
+    assert stepped.is_alive(), "the update did not wait for the snapshot's copy"
+    _assert_equal(_values(state), want)
+    release.set()
+    stepped.join(30)
+    assert not stepped.is_alive()
+    assert not _values(state)["model.0.weight"].equal(want["model.0.weight"])
+    # The update's wait is the held snapshot's: it counts in the next snapshot's blocking time.
+    assert snapshots.take(state) and snapshots.blocking_seconds >= 0.3
+    assert snapshots.drain() and snapshots.failures == 0
+    _assert_equal(_restored(shm, 3), want)
 
 
 def _thread_names() -> list[str]:
@@ -191,8 +230,11 @@ def test_a_copy_plan_copies_runs_of_adjacent_items_whole_and_every_bit_as_it_is(
 
     views = [(t.view(torch.uint8) if t is not None else None) for t in live]
     resolved = SimpleNamespace(tensors=tuple((v, v if v is not None else anew) for v in views))
-    for _ in range(2):
+    for i in range(2):
         staging.copy_resolved(resolved)  # type: ignore[arg-type]
+        # Queued, not made; the item read anew was read now (the RNG state of this step).
+        assert len(served) == i + 1 and staging._queued is not None  # noqa: SLF001
+        staging.complete()
         want = bytearray(53)
         for (offset, length), view in zip(spans, [*views[:3], served[-1], views[4]],
                                           strict=True):
