@@ -85,8 +85,10 @@ def counting_env(out: Path) -> dict[str, str]:
 
 
 def collectives(out: Path) -> int:
-    """Collective calls counted so far by every training process of a run."""
-    return sum(_counted(path) for path in out.glob("*.json"))
+    """Collective calls counted so far by every training process of a run (not a standby's
+    warm-up: bench/collectives/sitecustomize.py)."""
+    return sum(_counted(path) for path in out.glob("*.json")
+               if not path.name.endswith(".standby.json"))
 
 
 def _counted(path: Path, tries: int = 100) -> int:

@@ -5,7 +5,10 @@ of site-packages (Python imports `sitecustomize` at start-up) and the process ru
 (`-m trainer...`): agents and launchers are left alone. Every call of a public collective of
 `torch.distributed` (as the trainer calls them: `dist.<name>(...)`) adds one to its name's
 count, and the counts are rewritten to `<dir>/<pid>.json` at once (a worker may leave with
-os._exit). Never imported by the product.
+os._exit). A standby worker (ULTRA_LOCAL_RANK=standby) writes `<dir>/<pid>.standby.json`
+instead: its warm-up trains a step in a world of its own (trainer/warm_up.py), which is no
+training rank's step, so `bench.overhead` leaves those files out (the bench adopts no standby).
+Never imported by the product.
 """
 
 from __future__ import annotations
@@ -30,7 +33,8 @@ def _install(out: str) -> None:
     import torch.distributed as dist
 
     counts: dict[str, int] = {}
-    path = os.path.join(out, f"{os.getpid()}.json")
+    role = ".standby" if os.environ.get("ULTRA_LOCAL_RANK") == "standby" else ""
+    path = os.path.join(out, f"{os.getpid()}{role}.json")
 
     def counted(name: str, fn):
         @functools.wraps(fn)
