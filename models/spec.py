@@ -109,8 +109,11 @@ class ModelSpec:
     name: str
     # Family-specific checks of `[model]`, raising ConfigError naming the field.
     validate: Callable[[ModelConfig], None]
-    # The single-device module on the meta device, and its initial weights from (seed, name).
+    # The single-device module on the meta device; once materialised (`to_empty`), the ties
+    # between its parameters again (no values); its initial weights from (seed, name), ties
+    # included. A restore that loads every parameter needs only the ties.
     build: Callable[[ModelConfig], nn.Module]
+    tie_weights: Callable[[nn.Module], None]
     init_weights: Callable[[nn.Module, int], None]
     # Shard a built module in place over the tp mesh (its TP plan; with sequence parallelism
     # when the flag says so).

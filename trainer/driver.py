@@ -135,7 +135,9 @@ class GenerationDriver:
         self.job, self.layout, self.last_step, self.generation = job, layout, last_step, generation
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         self.node = node or os.uname().nodename  # named in a fragmented-checkpoint failure
-        self.trainer = Trainer(job, layout, mesh, device, inject=inject)
+        # The weights are drawn only if the restore comes to a tier that needs them (the
+        # pretrained weights, or random ones): a snapshot or checkpoint loads every parameter.
+        self.trainer = Trainer(job, layout, mesh, device, inject=inject, initial_weights=False)
         self.memory = MemoryMeter(self.trainer.model, self.trainer.optimizer, device)
         root = checkpoint_root(job)
         self.ckpt = (
@@ -216,7 +218,7 @@ class GenerationDriver:
 
         tier, served, passed = first_served({
             "snapshot": snapshot, "checkpoint": checkpoint, "pretrained": self._pretrained_tier,
-            "init": Served,
+            "init": self._init_tier,
         })
         return Restored(tier, self.step, skipped, time.perf_counter() - started,
                         served.snapshot_bytes, served.name, passed)
@@ -229,7 +231,7 @@ class GenerationDriver:
             "snapshot": lambda: "in-memory snapshots need the daemon",
             "checkpoint": self._checkpoint_tier if resume else (lambda: "--resume not given"),
             "pretrained": self._pretrained_tier,
-            "init": Served,
+            "init": self._init_tier,
         })
         return Restored(tier, self.step, "", time.perf_counter() - started, served.snapshot_bytes,
                         served.name, passed)
@@ -245,8 +247,15 @@ class GenerationDriver:
         if not self.job.init.hf:
             return "the job sets no init.hf"
         directory = hf_dir(self.job.init.hf)
+        self.trainer.draw_initial_weights()  # buffers (a routing bias) are not in its files
         load_pretrained(self.trainer.model, directory)
         return Served(str(directory))
+
+    def _init_tier(self) -> Served:
+        # Drawn here, not when the model was built: every other tier loads all of them (and
+        # one that failed part-way through writing the state is overwritten whole here).
+        self.trainer.draw_initial_weights()
+        return Served()
 
     def _restore_recorded(self, step: int, memory: str) -> Path:
         """Load durable checkpoint `step` from node-local directories, or fail every rank alike

@@ -137,7 +137,12 @@ def _nothing() -> None:
     pass
 
 class Trainer:
-    """Builds the model for a layout and runs steps. `mesh=None` is the single-process reference."""
+    """Builds the model for a layout and runs steps. `mesh=None` is the single-process reference.
+
+    `initial_weights=False` leaves the parameters' values undrawn (allocated, tied, buffers
+    built): for a caller that restores every parameter next, or calls `draw_initial_weights()`
+    first (trainer/driver.py's restore tiers). Drawing them costs every rank a full tensor per
+    parameter, which a restore would overwrite at once."""
 
     def __init__(
         self,
@@ -147,6 +152,7 @@ class Trainer:
         device: torch.device,
         stream: SampleStream | None = None,
         inject: NonFiniteInjection | None = None,
+        initial_weights: bool = True,
     ) -> None:
         self.cfg, self.layout, self.mesh, self.device = cfg, layout, mesh, device
         self.rank = dist.get_rank() if mesh is not None else 0
@@ -169,11 +175,13 @@ class Trainer:
             if mesh is not None
             else [self.model]
         )
+        self.parts = parts
         self.model.to_empty(device=device)
-        # Random weights from (seed, name); a restore (trainer/restore_order.py) overwrites them.
-        self.spec.init_weights(self.model, cfg.train.seed)
+        self.spec.tie_weights(self.model)
         for part in parts:
             part.init_buffers(device)
+        if initial_weights:
+            self.draw_initial_weights()
         zero1 = data_mesh(mesh) if mesh is not None and layout.zero == 1 else None
         expert_dp = expert_data_mesh(mesh) if mesh is not None and has_experts_dim(mesh) else None
         self.optimizer = build_optimizer(self.model, cfg.train, zero1, expert_dp)
@@ -217,6 +225,13 @@ class Trainer:
             if self.pp_group is not None
             else None
         )
+
+    def draw_initial_weights(self) -> None:
+        """Random weights from (seed, name), the same at any layout (and the initial value of
+        every persistent buffer): the state of step 0 without pretrained weights."""
+        self.spec.init_weights(self.model, self.cfg.train.seed)
+        for part in self.parts:
+            part.init_buffers(self.device)
 
     @property
     def step_tokens(self) -> int:

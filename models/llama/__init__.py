@@ -24,6 +24,12 @@ def _build(cfg: ModelConfig) -> nn.Module:
     return build_model(cfg)
 
 
+def _tie_weights(model: nn.Module) -> None:
+    from models.llama.model import tie_weights
+
+    tie_weights(model)  # type: ignore[arg-type]
+
+
 def _init_weights(model: nn.Module, seed: int) -> None:
     from models.llama.model import init_weights
 
@@ -47,6 +53,7 @@ SPEC = ModelSpec(
     name="llama",
     validate=config.validate,
     build=_build,
+    tie_weights=_tie_weights,
     init_weights=_init_weights,
     tensor_parallel=_tensor_parallel,
     split_stages=_split_stages,

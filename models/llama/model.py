@@ -125,6 +125,18 @@ def _param_seed(seed: int, name: str) -> int:
     return (seed * 1_000_003 + zlib.crc32(name.encode())) % (2**63)
 
 
+def tie_weights(model: Llama) -> None:
+    """Tie the output projection to the embedding again, when the config ties them:
+    materialising (to_empty) allocates each parameter anew and loses the tie. Values are not
+    touched (a restore or `init_weights` gives them)."""
+    if (
+        model.cfg.tie_word_embeddings
+        and model.lm_head is not None
+        and model.embed_tokens is not None
+    ):
+        model.lm_head.weight = model.embed_tokens.weight
+
+
 @torch.no_grad()
 def init_weights(model: Llama, seed: int) -> None:
     """Initialise every parameter from (seed, its name) alone, whatever the layout.
@@ -136,13 +148,7 @@ def init_weights(model: Llama, seed: int) -> None:
     """
     from torch.distributed.tensor import DTensor, distribute_tensor
 
-    if (
-        model.cfg.tie_word_embeddings
-        and model.lm_head is not None
-        and model.embed_tokens is not None
-    ):
-        # Materialising (to_empty) allocates each parameter anew and loses the tie; restore it.
-        model.lm_head.weight = model.embed_tokens.weight
+    tie_weights(model)
     std = model.cfg.initializer_range
     for name, param in model.named_parameters():
         full_shape = param.shape

@@ -42,6 +42,7 @@ SPEC = ModelSpec(
     name="moe",
     validate=config.validate,
     build=_build,
+    tie_weights=LLAMA.tie_weights,  # the same embedding and output projection
     init_weights=_init_weights,
     tensor_parallel=_tensor_parallel,
     split_stages=LLAMA.split_stages,  # a stage is a run of layers, dense or MoE alike
