@@ -19,9 +19,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import faulthandler
 import logging
 import os
 import re
+import signal
 import socket
 import sys
 from pathlib import Path
@@ -304,6 +306,9 @@ def main(argv: list[str] | None = None) -> int:
         format=f"%(asctime)s %(levelname)s ultrad[{config.node_id}] %(name)s: %(message)s")
     # grpc's own debug logs (a traceback per cancelled stream) drown the agent's.
     logging.getLogger("grpc").setLevel(max(logging.INFO, logging.getLogger().level))
+    # `kill -USR1` writes every thread's Python stack to stderr (the agent's log), whatever the
+    # event loop is doing: an agent that does not answer or does not exit shows where it is.
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     try:
         return asyncio.run(run_agent(config))
     except (OSError, RuntimeError) as exc:

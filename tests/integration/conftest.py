@@ -7,6 +7,7 @@ Every process is stopped by a finaliser, also when a test fails. Agents run with
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -92,6 +93,23 @@ class AgentProc:
         return (self.state_dir / "ultrad.log").read_text(errors="replace")
 
 
+def stop_or_show_stacks(proc: subprocess.Popen[bytes], timeout: float) -> int:
+    """SIGTERM `proc` (an agent) and wait `timeout` for it to exit; past that, SIGUSR1 makes it
+    write every thread's Python stack to its log (daemon/cli/ultrad.py) before the SIGKILL, so
+    a test failing on its exit code shows where it hung."""
+    if proc.poll() is None:
+        with contextlib.suppress(ProcessLookupError):
+            proc.terminate()
+        try:
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                proc.send_signal(signal.SIGUSR1)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(1.0)
+    return terminate(proc, timeout=0.1)
+
+
 @dataclass
 class Cluster:
     etcd: EtcdServer
@@ -153,7 +171,7 @@ class Cluster:
             if agent.proc.poll() is None:
                 agent.proc.send_signal(signal.SIGTERM)
         for agent in self.agents.values():
-            terminate(agent.proc, timeout=5)
+            stop_or_show_stacks(agent.proc, timeout=5)
 
     def ctl(self, *args: str, token_file: Path | None = None,
             node: str | None = None) -> subprocess.CompletedProcess[str]:
