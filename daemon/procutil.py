@@ -10,6 +10,7 @@ import signal
 import socket
 import subprocess
 import sys
+from collections.abc import Callable
 
 _PR_SET_PDEATHSIG = 1
 
@@ -68,14 +69,18 @@ def parent_death_env() -> dict[str, str]:
     return {PARENT_PID_ENV: str(os.getpid())}
 
 
-def terminate(proc: subprocess.Popen[bytes], timeout: float = 5.0) -> int | None:
-    """SIGTERM, then SIGKILL after `timeout`; returns the exit code."""
+def terminate(proc: subprocess.Popen[bytes], timeout: float = 5.0,
+              before_kill: Callable[[], None] | None = None) -> int | None:
+    """SIGTERM, then SIGKILL after `timeout` (calling `before_kill` first, if given); returns
+    the exit code."""
     if proc.poll() is None:
         with contextlib.suppress(ProcessLookupError):
             proc.terminate()
         try:
             proc.wait(timeout)
         except subprocess.TimeoutExpired:
+            if before_kill is not None:
+                before_kill()
             with contextlib.suppress(ProcessLookupError):
                 proc.kill()
             proc.wait()

@@ -93,21 +93,18 @@ class AgentProc:
         return (self.state_dir / "ultrad.log").read_text(errors="replace")
 
 
-def stop_or_show_stacks(proc: subprocess.Popen[bytes], timeout: float) -> int:
+def stop_or_show_stacks(proc: subprocess.Popen[bytes], timeout: float) -> int | None:
     """SIGTERM `proc` (an agent) and wait `timeout` for it to exit; past that, SIGUSR1 makes it
     write every thread's Python stack to its log (daemon/cli/ultrad.py) before the SIGKILL, so
     a test failing on its exit code shows where it hung."""
-    if proc.poll() is None:
+
+    def show_stacks() -> None:
         with contextlib.suppress(ProcessLookupError):
-            proc.terminate()
-        try:
-            proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            with contextlib.suppress(ProcessLookupError):
-                proc.send_signal(signal.SIGUSR1)
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                proc.wait(1.0)
-    return terminate(proc, timeout=0.1)
+            proc.send_signal(signal.SIGUSR1)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(1.0)
+
+    return terminate(proc, timeout, before_kill=show_stacks)
 
 
 @dataclass
