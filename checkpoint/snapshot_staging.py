@@ -105,10 +105,6 @@ class CopyPlan:
         close_run()
         return CopyPlan(resolved, tuple(runs), tuple(alone))
 
-    def copy(self) -> None:
-        """Copy every item's current bytes into its place."""
-        self.capture()()
-
     def capture(self) -> Callable[[], None]:
         """The copy of every item as it is now, to run later: an item read anew for every
         rewrite (the RNG state) is read here; the views of live tensors are read when the copy

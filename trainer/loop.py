@@ -178,10 +178,11 @@ class Trainer:
         self.parts = parts
         self.model.to_empty(device=device)
         self.spec.tie_weights(self.model)
-        for part in parts:
-            part.init_buffers(device)
         if initial_weights:
-            self.draw_initial_weights()
+            self.draw_initial_weights()  # the buffers too
+        else:
+            for part in parts:
+                part.init_buffers(device)
         zero1 = data_mesh(mesh) if mesh is not None and layout.zero == 1 else None
         expert_dp = expert_data_mesh(mesh) if mesh is not None and has_experts_dim(mesh) else None
         self.optimizer = build_optimizer(self.model, cfg.train, zero1, expert_dp)
