@@ -47,6 +47,9 @@ log = logging.getLogger(__name__)
 Probe = Callable[[str], Awaitable[bool]]
 # What the agent at an address holds of snapshots now (None: no answer, or it keeps none).
 AskHoldings = Callable[[str], Awaitable[SnapshotHoldings | None]]
+# A written generation's workers join its store and build within a second or so; the next
+# generation's store starts after that, not while they do (daemon/control/store_host.py).
+SPARE_STORE_DELAY_S = 2.0
 _WAKE_ON = {"nodes", "spec", "control", "generation", "leader", "progress", "checkpoint",
             "cordons", "directive", "status", "connection"}
 
@@ -104,6 +107,7 @@ class Leader:
                 self._asked = None
 
     async def _lead(self) -> None:
+        self.store.prepare()  # the first generation this agent writes as leader finds it ready
         self._wake.set()
         self._missing_since.clear()
         self._probes.clear()
@@ -334,6 +338,8 @@ class Leader:
             [self.etcd.tx.mod(self.keys.generation) == mod],
             [self.etcd.tx.put(self.keys.generation, plan.to_json().encode())],
         )
+        # The next generation's store starts once this one's workers are under way.
+        self.store.prepare_later(SPARE_STORE_DELAY_S)
         log.info("generation %d (%s): world %d on %s, restore %s@%d%s", plan.generation, reason,
                  plan.world_size, ",".join(plan.nodes), plan.restore.source, plan.restore.step,
                  f", idle {','.join(plan.idle)}" if plan.idle else "")

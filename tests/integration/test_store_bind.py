@@ -75,3 +75,33 @@ def test_store_on_another_address_is_not_on_loopback() -> None:
         return port
 
     asyncio.run(go())
+
+
+def _listening_ports() -> set[int]:
+    """Ports with a socket listening on IPv4 TCP on this machine."""
+    return {int(line.split()[1].split(":")[1], 16)
+            for line in Path("/proc/net/tcp").read_text().splitlines()[1:]
+            if line.split()[3] == _LISTEN}
+
+
+def test_a_spare_store_started_ahead_serves_the_next_generation_and_only_it() -> None:
+    async def go() -> None:
+        host = StoreHost("127.0.0.1")
+        try:
+            before = _listening_ports()
+            host.prepare()
+            spare = await asyncio.wait_for(asyncio.to_thread(
+                wait_until, lambda: _listening_ports() - before, 10, "the spare store"), 15)
+            assert len(spare) == 1
+            assert await host.open(1) == next(iter(spare))  # no new listener: the spare's
+            second = await host.open(2)  # no spare left: a fresh store, on a fresh port
+            assert second not in spare | before
+            host.prepare_later(0.05)
+            third = await asyncio.to_thread(
+                wait_until, lambda: _listening_ports() - before - spare - {second}, 10,
+                "the spare started later")
+            assert await host.open(3) == next(iter(third))
+        finally:
+            host.close()
+
+    asyncio.run(go())
