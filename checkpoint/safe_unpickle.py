@@ -40,10 +40,11 @@ from torch.distributed.checkpoint import filesystem as dcp_filesystem
 from torch.distributed.checkpoint import metadata as dcp_metadata
 from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
-from torch.distributed.checkpoint.metadata import Metadata
+from torch.distributed.checkpoint.metadata import STATE_DICT_TYPE, Metadata
 from torch.distributed.checkpoint.planner import ReadItem
 
 from checkpoint.snapshot_format import SnapshotItem
+from checkpoint.state import present_as_saved
 
 
 class UnsafePickle(ValueError):
@@ -171,7 +172,14 @@ class SafeLoadPlanner(DefaultLoadPlanner):
     """DCP's default load planner, except that byte items are never unpickled by it.
 
     Readers of ours hand it each byte item's value, already loaded safely (`load_value`);
-    DefaultLoadPlanner's own `load_bytes` would call torch.load with weights_only=False."""
+    DefaultLoadPlanner's own `load_bytes` would call torch.load with weights_only=False. A
+    TrainState is presented in the form the checkpoint was saved in (`present_as_saved`)."""
+
+    def set_up_planner(self, state_dict: STATE_DICT_TYPE, metadata: Metadata | None = None,
+                       is_coordinator: bool = False) -> None:
+        if metadata is not None:
+            present_as_saved(state_dict, metadata.state_dict_metadata)
+        super().set_up_planner(state_dict, metadata, is_coordinator)
 
     def load_value(self, read_item: ReadItem, value: Any) -> None:
         if self.flatten_state_dict:

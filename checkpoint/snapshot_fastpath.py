@@ -24,8 +24,8 @@ path, which builds a new one. Anything it cannot account for (a tensor item that
 live tensor, a byte item without a getter) means no fast path at all.
 
 What the step captures of the byte items is each distinct value once (the step counter, the
-consumed samples, each hyper-parameter of each parameter group); spreading them over the items
-(one per parameter and hyper-parameter in DCP's flattened state dict) happens off the step.
+consumed samples, each parameter group's hyper-parameters); spreading them over the items (one
+per parameter, its group's hyper-parameters: checkpoint/state.py) happens off the step.
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ from torch.distributed.tensor import DTensor
 from checkpoint.state import TrainState
 
 _MODEL = "state.model."  # dcp.save({"state": TrainState}) prefixes every key with "state."
-_PARAM_GROUPS = "state.optim.param_groups."
+_HYPERPARAMETERS = "state.optim.hyperparameters."
 _RNG = "state.rng"
 _PROGRESS = {"state.progress.step": lambda s: s.progress.step,
              "state.progress.consumed_samples": lambda s: s.progress.consumed_samples}
@@ -281,22 +281,23 @@ def _byte_getter(state: TrainState, flat: dict[str, Any], groups: dict[int, int]
     if fqn in _PROGRESS:
         read = _PROGRESS[fqn]
         return fqn, lambda: read(state), ()
-    if not fqn.startswith(_PARAM_GROUPS):
+    if not fqn.startswith(_HYPERPARAMETERS):
         return None
-    # "state.optim.param_groups.<parameter fqn>.<hyper-parameter>"; no hyper-parameter name
-    # has a dot, so the last component is it and the rest names the parameter.
-    parameter, _, key = fqn[len(_PARAM_GROUPS):].rpartition(".")
-    tensor = flat.get(_MODEL + parameter)
-    if not isinstance(tensor, torch.Tensor):
+    # "state.optim.hyperparameters.<parameter fqn>": its group's (name, value) pairs by name
+    # (checkpoint/state.py), read afresh from the group.
+    parameter = fqn[len(_HYPERPARAMETERS):]
+    tensor, pairs = flat.get(_MODEL + parameter), flat.get(fqn)
+    if not isinstance(tensor, torch.Tensor) or not isinstance(pairs, tuple):
         return None
     index = groups.get(_storage(tensor))
     if index is None:
         return None
     optimizer = state.optimizer
     group = optimizer.param_groups[index]
-    if key not in group:
+    names = tuple(pair[0] for pair in pairs)
+    if not all(name in group for name in names):
         return None
     way = (Link(vars(state), "optimizer", optimizer),
            Link(vars(optimizer), "param_groups", optimizer.param_groups),
            Link(optimizer.param_groups, index, group))
-    return ("group", index, key), lambda: group[key], way
+    return ("group", index, names), lambda: tuple((name, group[name]) for name in names), way

@@ -7,6 +7,7 @@ run code: that code never runs.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -15,12 +16,11 @@ import re
 import shlex
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from datetime import timedelta
 from pathlib import Path
 
@@ -60,15 +60,23 @@ RESTORE_WORLDS = (4, 3, 2)
 TIMEOUT = timedelta(seconds=120)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+@contextlib.contextmanager
+def _served_store() -> Iterator[int]:
+    """A TCPStore served by the test process itself, on a port it bound (none picked ahead,
+    which another process's connection could take first); yields its port."""
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                          timeout=TIMEOUT)
+    try:
+        yield store.port
+    finally:
+        del store
 
 
-def _join(rank: int, world: int, port: int) -> None:
-    store = dist.TCPStore("127.0.0.1", port, world, is_master=rank == 0, timeout=TIMEOUT)
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=TIMEOUT)
+def _join(rank: int, world: int, port: int, name: str) -> None:
+    """Join world `name` of `world` ranks through the test's store (one per world, by prefix)."""
+    store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=TIMEOUT)
+    dist.init_process_group("gloo", store=dist.PrefixStore(name, store), rank=rank,
+                            world_size=world, timeout=TIMEOUT)
 
 
 def _trainer(job: str, world: int) -> Trainer:
@@ -93,9 +101,9 @@ def _full_state(trainer: Trainer) -> dict:
     }
 
 
-def _save_then_restore(rank: int, job: str, root: str, ports: list[int], out: str) -> None:
+def _save_then_restore(rank: int, job: str, root: str, port: int, out: str) -> None:
     torch.set_num_threads(1)
-    _join(rank, 4, ports[0])
+    _join(rank, 4, port, "save")
     trainer = _trainer(job, 4)
     for _ in range(STEP - 2):
         trainer.train_step()
@@ -124,10 +132,10 @@ def _save_then_restore(rank: int, job: str, root: str, ports: list[int], out: st
         torch.save(saved, Path(out) / "saved.pt")
     del trainer
     leave_world()
-    for world, port in zip(RESTORE_WORLDS, ports[1:], strict=True):
+    for world in RESTORE_WORLDS:
         if rank >= world:
             continue
-        _join(rank, world, port)
+        _join(rank, world, port, f"restore-{world}")
         trainer = _trainer(job, world)
         torch.manual_seed(7)
         load_snapshot(trainer.state, STEP, local_fetch(Path(root), STEP))
@@ -148,12 +156,13 @@ def snapshot(token_file: Path, tmp_path_factory: pytest.TempPathFactory):
     job.write_text(small_job_text(token_file, parallel={"zero": 3}))
     root = Path(tempfile.mkdtemp(dir="/dev/shm", prefix="ultrascale-test-"))
     try:
-        mp.start_processes(
-            _save_then_restore,
-            args=(str(job), str(root), [_free_port() for _ in range(4)], str(out)),
-            nprocs=4,
-            start_method=forkserver(),
-        )
+        with _served_store() as port:
+            mp.start_processes(
+                _save_then_restore,
+                args=(str(job), str(root), port, str(out)),
+                nprocs=4,
+                start_method=forkserver(),
+            )
         yield job, root, out
     finally:
         shutil.rmtree(root, ignore_errors=True)
@@ -321,7 +330,7 @@ def _local_state(trainer: Trainer) -> dict:
 
 def _load_damaged(rank: int, job: str, roots: dict[str, str], port: int, out: str) -> None:
     torch.set_num_threads(1)
-    _join(rank, 2, port)
+    _join(rank, 2, port, "damaged")
     trainer = _trainer(job, 2)
     trainer.train_step()  # optimizer state exists and differs from the snapshot's
     results = {}
@@ -364,10 +373,11 @@ def test_damaged_snapshots_fail_every_rank_and_load_nothing(snapshot, tmp_path):
     roots["corrupted-transfer"] = roots["manifest-lost-on-rank-1"] = roots["intact"] = str(root)
     roots["load-fails-on-rank-0"] = str(root)  # last: it leaves rank 1's state loaded
     try:
-        mp.start_processes(
-            _load_damaged, args=(str(job), roots, _free_port(), str(tmp_path)), nprocs=2,
-            start_method=forkserver(),
-        )
+        with _served_store() as port:
+            mp.start_processes(
+                _load_damaged, args=(str(job), roots, port, str(tmp_path)), nprocs=2,
+                start_method=forkserver(),
+            )
         ran = [case for case in DAMAGES if (Path(roots[case]) / MARKER).exists()]
     finally:
         for case in DAMAGES:
