@@ -15,7 +15,7 @@ import dataclasses
 import logging
 import time
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 from daemon.control.decide import decide
@@ -50,6 +50,7 @@ AskHoldings = Callable[[str], Awaitable[SnapshotHoldings | None]]
 # A written generation's workers join its store and build within a second or so; the next
 # generation's store starts after that, not while they do (daemon/control/store_host.py).
 SPARE_STORE_DELAY_S = 2.0
+_MAX_BATCH_WRITES = 64
 _WAKE_ON = {"nodes", "spec", "control", "generation", "leader", "progress", "checkpoint",
             "cordons", "directive", "status", "connection"}
 
@@ -164,14 +165,20 @@ class Leader:
                     # A probe is how a failure's new generation starts, and its restore needs
                     # every member's holdings: ask the others while probing, for the decision
                     # right after (workers that reported a failure write no more snapshots).
-                    suspects = frozenset(n for a in probes for n in a.nodes)
+                    # A node whose failure report is in answered moments ago: it is asked,
+                    # not suspected (a failure report probes every node of the plan, and
+                    # suspecting them all left nobody to ask before the decision).
+                    reported = self._reported(self.view.plan.generation) \
+                        if self.view.plan is not None else set()
+                    suspects = frozenset(n for a in probes for n in a.nodes
+                                         if n not in reported)
                     task = asyncio.create_task(self._holdings_now(suspects))
                     # A failure of a task that ends up unused is not worth a logged traceback.
                     task.add_done_callback(lambda t: t.cancelled() or t.exception())
                     self._asked = (suspects, task)
                 wake_at = decision.wake_at
-                for action in decision.actions:
-                    await self._perform(action)
+                for batch in _batches(decision.actions):
+                    await self._perform(batch)
                 if decision.actions:
                     again = True
                     self._wake.set()  # see the consequences
@@ -300,31 +307,29 @@ class Leader:
         self._written = max([self._written, *(_revision(r) for r in responses)])
         return responses
 
-    async def _perform(self, action: Action) -> None:
-        tx, keys = self.etcd.tx, self.keys
+    async def _perform(self, batch: list[Action]) -> None:
+        """One action, or several plain writes in one transaction (one etcd round trip)."""
+        if len(batch) > 1 or _is_write(batch[0]):
+            await self._fenced([], [op for action in batch for op in self._writes(action)])
+            for action in batch:
+                _log_written(action)
+            return
+        action = batch[0]
         if isinstance(action, StartGeneration):
             await self.write_generation(action.plan, action.reason)
-        elif isinstance(action, SetDirective):
-            await self._fenced([], [tx.put(keys.directive,
-                                                       action.directive.to_json())])
-            d = action.directive
-            log.info("directive for generation %d: stop=%s checkpoint_seq=%d %s",
-                     d.generation, d.stop, d.checkpoint_seq, d.reason)
-        elif isinstance(action, SetStatus):
-            await self._fenced([], [tx.put(keys.status, action.status.to_json())])
-            st = action.status
-            (log.error if st.state.value == "failed" else log.info)(
-                "job %s%s", st.state.value, f": {st.reason}" if st.reason else "")
-        elif isinstance(action, CordonNodes):
-            await self._fenced([], [tx.put(keys.cordon(c.node), c.to_json())
-                                                for c in action.cordons])
-            for c in action.cordons:
-                log.error("cordoned %s: %s", c.node, c.reason)
-        elif isinstance(action, ConsumeRequests):
-            await self._fenced([], [tx.delete(keys.control_request(i))
-                                                for i in action.ids])
         elif isinstance(action, ProbeNodes):
             await self._probe_nodes(action.nodes)
+
+    def _writes(self, action: Action) -> list[Any]:
+        tx, keys = self.etcd.tx, self.keys
+        if isinstance(action, SetDirective):
+            return [tx.put(keys.directive, action.directive.to_json())]
+        if isinstance(action, SetStatus):
+            return [tx.put(keys.status, action.status.to_json())]
+        if isinstance(action, CordonNodes):
+            return [tx.put(keys.cordon(c.node), c.to_json()) for c in action.cordons]
+        assert isinstance(action, ConsumeRequests)
+        return [tx.delete(keys.control_request(i)) for i in action.ids]
 
     async def write_generation(self, candidate: Plan, reason: str) -> Plan:
         kv = await self.etcd.get(self.keys.generation)
@@ -376,6 +381,45 @@ class Leader:
             except ETCD_ERRORS as exc:
                 log.warning("could not revoke the lease of %s: %s", node, exc)
         return node, alive
+
+
+def _is_write(action: Action) -> bool:
+    """A plain etcd write (no compare, nothing to wait for): batched with its neighbours."""
+    return isinstance(action, SetDirective | SetStatus | CordonNodes | ConsumeRequests)
+
+
+def _write_count(action: Action) -> int:
+    if isinstance(action, ConsumeRequests):
+        return len(action.ids)
+    return len(action.cordons) if isinstance(action, CordonNodes) else 1
+
+
+def _batches(actions: Sequence[Action]) -> list[list[Action]]:
+    """`actions` in order, adjacent plain writes together (a failure's round consumes its
+    reports and records the failure in one transaction, not two), up to `_MAX_BATCH_WRITES`
+    writes in a batch (etcd refuses a transaction of more than 128 operations by default)."""
+    out: list[list[Action]] = []
+    for action in actions:
+        if out and _is_write(action) and _is_write(out[-1][-1]) and \
+                sum(map(_write_count, out[-1])) + _write_count(action) <= _MAX_BATCH_WRITES:
+            out[-1].append(action)
+        else:
+            out.append([action])
+    return out
+
+
+def _log_written(action: Action) -> None:
+    if isinstance(action, SetDirective):
+        d = action.directive
+        log.info("directive for generation %d: stop=%s checkpoint_seq=%d %s",
+                 d.generation, d.stop, d.checkpoint_seq, d.reason)
+    elif isinstance(action, SetStatus):
+        st = action.status
+        (log.error if st.state.value == "failed" else log.info)(
+            "job %s%s", st.state.value, f": {st.reason}" if st.reason else "")
+    elif isinstance(action, CordonNodes):
+        for c in action.cordons:
+            log.error("cordoned %s: %s", c.node, c.reason)
 
 
 def _revision(response: Any) -> int:
