@@ -91,7 +91,7 @@ def rendered_command(node: str, e: Elastic, api: FakeNodeApi, token: Path
     command = container["command"]
     assert command[0] == "python"
     argv = [sys.executable, *command[1:], *(expand(a, env) for a in container["args"]),
-            f"--api-url={api.url}", f"--token-file={token}", "--interval=1"]
+            f"--api-url={api.url}", f"--token-file={token}", "--interval=0.2"]
     clean = {k: v for k, v in os.environ.items() if not k.startswith("ULTRA_")}
     return argv, {**clean, **env, "PYTHONPATH": str(ROOT),
                   "XDG_CONFIG_HOME": str(e.root / "watcher-config")}
@@ -104,9 +104,7 @@ def test_a_cordon_drains_the_agent_at_a_step_boundary_and_an_uncordon_brings_it_
     api = FakeNodeApi(API_TOKEN, {node: False for node in e.cluster.agents})
     token = tmp_path / "sa-token"
     token.write_text(API_TOKEN + "\n")
-    e.submit()
-    e.wait_step(TRIGGER_STEP)
-    leader = e.status().leader
+    leader = wait_until(lambda: e.status().leader, 30, "a leader")
     victim = next(n for n in ("node-2", "node-1", "node-0") if n != leader)
     log_path = tmp_path / "nodewatch.log"
     with serving(api), log_path.open("wb") as log:
@@ -114,7 +112,12 @@ def test_a_cordon_drains_the_agent_at_a_step_boundary_and_an_uncordon_brings_it_
         watcher = subprocess.Popen(argv, env=env, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
                                    stdin=subprocess.DEVNULL)
         try:
+            # The watcher polls before the job starts: its start-up (seconds on a loaded
+            # machine) then cannot eat the steps left between the cordon and the job's end.
             wait_until(lambda: api.requests, 60, "the watcher's first poll", interval=0.1)
+            e.submit()
+            e.wait_step(TRIGGER_STEP)
+            assert e.status().leader == leader, "the leader changed: the victim may now lead"
             assert e.step() < STEPS, "the job finished before the cordon: nothing to drain"
             api.set_cordoned(victim, True)  # kubectl cordon / the start of kubectl drain
             wait_until(lambda: "draining its agent" in log_path.read_text(), 30,
