@@ -90,7 +90,7 @@ class StoreHost:
         spare, self._spare = self._spare, None
         store = None
         if spare is not None:
-            # A spare that failed to start (or was cancelled) is retried below, in the open.
+            # A spare that failed to start is replaced below, by a store started now.
             with contextlib.suppress(Exception):
                 store = await spare
         if store is None:
