@@ -9,6 +9,11 @@ trainer joins its world through the same `env://` path (trainer/run.py). Nothing
 code or started a thread before the fork. Like torchrun, when a rank fails the others are
 stopped, and the exit code is the first failed rank's.
 
+Each rank's stderr goes to a file of its own, copied to the launcher's stderr once all have
+exited: rank by rank, the first rank to fail last. A test's message shows the tail of stderr,
+and there the cause (a C++ abort's message, the dying rank's Python stacks) comes before the
+line saying which rank went first, instead of lost under the others' "connection closed".
+
 `tests.launch.run_trainer` uses it unless a test asks for torchrun itself (`launcher="torchrun"`:
 the tests of the torchrun entry keep it).
 """
@@ -20,21 +25,26 @@ import faulthandler
 import os
 import signal
 import sys
+import tempfile
 import time
 import traceback
+from pathlib import Path
 
 # Everything a rank imports, imported before the fork (the point of this launcher).
 import trainer.cli  # noqa: F401
 import trainer.run  # noqa: F401
-from bench.ranks import free_port
+from daemon.procutil import free_port
 from trainer.agent_death import die_with_agent
 
 GRACE_S = 10.0  # after a rank fails, how long the others have to fail on their own
 
 
-def _rank(rank: int, nproc: int, port: int, argv: list[str], launcher: int) -> None:
+def _rank(rank: int, nproc: int, port: int, argv: list[str], launcher: int, stderr: Path) -> None:
     """The child: torchrun's rank environment, then the trainer's entry; never returns."""
     die_with_agent()  # with the launcher, when a test's timeout kills it
+    fd = os.open(stderr, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    os.dup2(fd, 2)  # for C++ (gloo's, torch's messages) as for Python's sys.stderr
+    os.close(fd)
     faulthandler.enable()  # a rank killed by a fatal signal prints its Python stacks
     if os.getppid() != launcher:
         os._exit(1)
@@ -62,6 +72,20 @@ def _exit_text(rank: int, code: int, at: float) -> str:
 
 
 def launch(nproc: int, argv: list[str]) -> int:
+    with tempfile.TemporaryDirectory(prefix="forkrun-") as tmp:
+        stderrs = [Path(tmp) / f"rank{rank}.stderr" for rank in range(nproc)]
+        code, first_failed = _run_ranks(nproc, argv, stderrs)
+        order = [r for r in range(nproc) if r != first_failed] + (
+            [first_failed] if first_failed is not None else [])
+        for rank in order:
+            text = stderrs[rank].read_text(errors="replace") if stderrs[rank].exists() else ""
+            if text:
+                sys.stderr.write(text if nproc == 1 else f"--- rank {rank} stderr ---\n{text}")
+        return code
+
+
+def _run_ranks(nproc: int, argv: list[str], stderrs: list[Path]) -> tuple[int, int | None]:
+    """Fork the ranks and wait for them all: (the first failure's code, its rank) or (0, None)."""
     port = free_port()
     sys.stdout.flush()
     sys.stderr.flush()
@@ -69,9 +93,9 @@ def launch(nproc: int, argv: list[str]) -> int:
     for rank in range(nproc):
         pid = os.fork()
         if pid == 0:
-            _rank(rank, nproc, port, argv, launcher)
+            _rank(rank, nproc, port, argv, launcher, stderrs[rank])
         pids[pid] = rank
-    first_failure, deadline, exits = 0, None, []
+    first_failure, first_failed, deadline, exits = 0, None, None, []
     while pids:
         if deadline is not None and time.monotonic() > deadline:
             for pid in pids:
@@ -82,14 +106,16 @@ def launch(nproc: int, argv: list[str]) -> int:
             time.sleep(0.05)
             continue
         code = os.waitstatus_to_exitcode(status)
-        exits.append(_exit_text(pids.pop(pid), code, time.monotonic() - start))
+        rank = pids.pop(pid)
+        exits.append(_exit_text(rank, code, time.monotonic() - start))
         if code != 0 and first_failure == 0:
-            first_failure = code if code > 0 else 1
+            first_failure, first_failed = (code if code > 0 else 1), rank
             deadline = time.monotonic() + GRACE_S
     if first_failure:
-        # Last on stderr, where a test's message (the tail) shows it: which rank went first, how.
-        print(f"forkrun: ranks exited in this order: {'; '.join(exits)}", file=sys.stderr)
-    return first_failure
+        # Last on the failed rank's stderr, the last copied: which rank went first, and how.
+        with stderrs[first_failed].open("a") as out:
+            out.write(f"forkrun: ranks exited in this order: {'; '.join(exits)}\n")
+    return first_failure, first_failed
 
 
 def main(argv: list[str]) -> int:
