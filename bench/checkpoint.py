@@ -40,8 +40,9 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
-from bench.ranks import free_port, timed_across_ranks
+from bench.ranks import timed_across_ranks
 from checkpoint.manifest import verify, write_manifest
+from daemon.procutil import free_port
 
 SAVE_WORLD = 4
 RESHARD_WORLD = 3

@@ -35,10 +35,11 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard
 
-from bench.ranks import free_port, init_gloo_rank, timed_across_ranks
+from bench.ranks import init_gloo_rank, timed_across_ranks
 from checkpoint.checksum import CURRENT, LEGACY
 from checkpoint.checksummed_storage import ChecksummingWriter, VerifyingReader
 from checkpoint.manifest import read_manifest, verify_reads, verify_whole, write_manifest
+from daemon.procutil import free_port
 
 MB = 1e6
 _ALGO_BYTES = 256 << 20

@@ -28,7 +28,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from bench.ranks import free_port, init_gloo_rank
+from bench.ranks import init_gloo_rank
+from daemon.procutil import free_port
 from parallel.job import JobConfig, ModelConfig, ParallelConfig, TrainConfig, process_group_timeout
 from parallel.layout import Layout, resolve
 from parallel.memory_model import MemoryBreakdown, rank_memory

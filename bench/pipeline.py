@@ -31,7 +31,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from bench.ranks import free_port, init_gloo_rank
+from bench.ranks import init_gloo_rank
+from daemon.procutil import free_port
 from parallel.job import (
     ConfigError,
     JobConfig,

@@ -1,21 +1,14 @@
-"""What every multi-rank benchmark needs: a free local port, a gloo rank on it, a timer."""
+"""What every multi-rank benchmark needs: a gloo rank on a local port, a timer."""
 
 from __future__ import annotations
 
 import os
-import socket
 import time
 from collections.abc import Callable
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def init_gloo_rank(rank: int, world: int, port: int, timeout: timedelta | None = None) -> None:

@@ -5,24 +5,68 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import os
+import random
 import shutil
 import signal
 import socket
 import subprocess
 import sys
 from collections.abc import Callable
+from pathlib import Path
 
 _PR_SET_PDEATHSIG = 1
 
 
+# Ports handed out by `free_ports` come from below the kernel's ephemeral range
+# (net.ipv4.ip_local_port_range, 32768-60999 by default), never from it: a port chosen now and
+# bound later (etcd restarted on the ports it had, a rank's MASTER_PORT) must not be taken in
+# between by an outgoing connection's source port, and source ports only come from that range.
+_LOWEST_PICKED_PORT = 10000
+_EPHEMERAL_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    """A port that was free a moment ago (the kernel's choice, so parallel runs don't collide)."""
+    """A port that was free a moment ago and that no outgoing connection will take."""
     return free_ports(1, host)[0]
 
 
 def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
-    """`n` distinct ports that were free a moment ago. They are bound together: two calls of
-    `free_port` in a row can return the same port, since the first socket is closed by then."""
+    """`n` distinct ports that were free a moment ago, picked at random below the ephemeral range
+    (so that no outgoing connection takes one before its user binds it) and checked by binding
+    them together. Where that range leaves no room below it, the kernel's choice."""
+    span = _unclaimed_span()
+    if span is None:
+        return _kernel_ports(n, host)
+    pick = random.SystemRandom()  # not the seeded `random`: forked ranks would pick alike
+    with contextlib.ExitStack() as stack:
+        ports: list[int] = []
+        for _ in range(64 * n):
+            port = pick.randrange(*span)
+            if port in ports:
+                continue
+            s = stack.enter_context(socket.socket(socket.AF_INET, socket.SOCK_STREAM))
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+            ports.append(port)
+            if len(ports) == n:
+                return ports
+    return _kernel_ports(n, host)
+
+
+def _unclaimed_span() -> tuple[int, int] | None:
+    """[first, end) of the ports below the ephemeral range, or None where there are too few."""
+    try:
+        first_ephemeral = int(_EPHEMERAL_RANGE.read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
+    return (_LOWEST_PICKED_PORT, first_ephemeral) if first_ephemeral - _LOWEST_PICKED_PORT >= 4096 else None
+
+
+def _kernel_ports(n: int, host: str) -> list[int]:
+    """`n` distinct ports of the kernel's choice, bound together (two calls of a one-port
+    version in a row can return the same port, the first socket being closed by then)."""
     with contextlib.ExitStack() as stack:
         sockets = [stack.enter_context(socket.socket(socket.AF_INET, socket.SOCK_STREAM))
                    for _ in range(n)]

@@ -28,8 +28,9 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
-from bench.ranks import free_port, init_gloo_rank
+from bench.ranks import init_gloo_rank
 from checkpoint.manifest import MANIFEST_NAME, checkpoint_dir, read_manifest, verify
+from daemon.procutil import free_port
 from tests.distributed.test_checkpoint_integrity import (
     SCHEME,
     _differences,

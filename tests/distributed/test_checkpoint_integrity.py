@@ -34,9 +34,10 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
-from bench.ranks import free_port, init_gloo_rank
+from bench.ranks import init_gloo_rank
 from checkpoint.checksum import CRC32C, Scheme
 from checkpoint.manifest import MANIFEST_NAME, read_manifest, verify, write_manifest
+from daemon.procutil import free_port
 from tests.forkserver import forkserver
 
 pytestmark = pytest.mark.distributed

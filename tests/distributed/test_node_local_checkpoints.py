@@ -20,8 +20,9 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from bench.ranks import free_port, init_gloo_rank
+from bench.ranks import init_gloo_rank
 from checkpoint.manifest import MANIFEST_NAME, read_manifest, verify
+from daemon.procutil import free_port
 from tests.distributed.test_checkpoint_integrity import (
     SCHEME,
     _differences,

@@ -10,7 +10,6 @@ keep beating: gloo releases the interpreter lock while it waits.
 from __future__ import annotations
 
 import json
-import socket
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -20,6 +19,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from daemon.procutil import free_port
 from parallel.job import loads
 from parallel.layout import resolve
 from tests.forkserver import forkserver
@@ -28,12 +28,6 @@ pytestmark = pytest.mark.distributed
 
 SUB_TIMEOUT_S = 3.0
 JOB = '[data]\nsource = "python-stdlib"\n[parallel]\ntp = 2\n'
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _rank(rank: int, port: int, out: str) -> None:
@@ -89,7 +83,7 @@ def _rank(rank: int, port: int, out: str) -> None:
 
 def test_sub_groups_and_the_checkpoint_group_time_out(tmp_path: Path):
     started = time.monotonic()
-    mp.start_processes(_rank, args=(_free_port(), str(tmp_path)), nprocs=4, start_method=forkserver())
+    mp.start_processes(_rank, args=(free_port(), str(tmp_path)), nprocs=4, start_method=forkserver())
     results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(4)]
     for r in results:
         assert set(r["configured"].values()) == {SUB_TIMEOUT_S}, r["configured"]
@@ -128,7 +122,7 @@ def _data_group_rank(rank: int, port: int, out: str) -> None:
 def test_flattened_data_parallel_group_gets_the_timeout(tmp_path: Path):
     """dp2 x cp2: gradients reduce over a flattened dp x cp group, bounded like the others."""
     mp.start_processes(
-        _data_group_rank, args=(_free_port(), str(tmp_path)), nprocs=4, start_method=forkserver()
+        _data_group_rank, args=(free_port(), str(tmp_path)), nprocs=4, start_method=forkserver()
     )
     for rank in range(4):
         result = json.loads((tmp_path / f"rank{rank}.json").read_text())

@@ -12,7 +12,6 @@ resume, draws once and holds exactly the first run's initial weights.
 from __future__ import annotations
 
 import os
-import socket
 from datetime import timedelta
 from pathlib import Path
 
@@ -21,6 +20,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from daemon.procutil import free_port
 from parallel.job import load
 from parallel.layout import resolve
 from parallel.mesh import build_mesh
@@ -30,12 +30,6 @@ from tests.forkserver import forkserver
 pytestmark = pytest.mark.distributed
 
 TIMEOUT = timedelta(seconds=60)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _local_state(driver) -> dict[str, torch.Tensor]:
@@ -117,7 +111,7 @@ def test_a_restore_draws_no_weights_and_a_fresh_start_draws_them_once(
     job.write_text(small_job_text(token_file, checkpoint={"dir": str(tmp_path / "ckpt"),
                                                           "every": 100}))
     out = tmp_path / "report"
-    mp.start_processes(_rank, args=(str(job), _free_port(), str(out)), nprocs=2,
+    mp.start_processes(_rank, args=(str(job), free_port(), str(out)), nprocs=2,
                        start_method=forkserver())
     for rank in (0, 1):
         report = torch.load(f"{out}.{rank}", weights_only=False)

@@ -8,7 +8,6 @@ compares its output rows and its dQ, dK, dV rows with the reference's same rows.
 from __future__ import annotations
 
 import json
-import socket
 from datetime import timedelta
 from pathlib import Path
 
@@ -17,18 +16,13 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from daemon.procutil import free_port
 from tests.forkserver import forkserver
 
 pytestmark = pytest.mark.distributed
 
 # (query heads, kv heads, causal)
 CASES = [(4, 4, True), (4, 2, True), (6, 1, True), (4, 2, False)]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _errors(heads: int, kv_heads: int, causal: bool, rank: int, cp: int) -> dict[str, float]:
@@ -80,7 +74,7 @@ def _rank(rank: int, cp: int, port: int, out: str) -> None:
 @pytest.mark.parametrize("cp", [2, 4])
 def test_ring_attention_matches_math_reference(cp, tmp_path):
     mp.start_processes(
-        _rank, args=(cp, _free_port(), str(tmp_path)), nprocs=cp, start_method=forkserver()
+        _rank, args=(cp, free_port(), str(tmp_path)), nprocs=cp, start_method=forkserver()
     )
     for rank in range(cp):
         result = json.loads((tmp_path / f"rank{rank}.json").read_text())

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import socket
 from datetime import timedelta
 from pathlib import Path
 
@@ -19,6 +18,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.distributed.device_mesh import DeviceMesh
 
+from daemon.procutil import free_port, free_ports
 from parallel.job import JobConfig, load
 from parallel.layout import resolve
 from parallel.mesh import build_mesh
@@ -28,12 +28,6 @@ from trainer.loop import Trainer
 from trainer.teardown import Teardown, freeze_import_heap, leave_world
 
 pytestmark = pytest.mark.distributed
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _resources() -> tuple[int, int, int]:
@@ -79,7 +73,7 @@ def test_three_generations_leave_nothing_behind(token_file: Path, tmp_path: Path
     out = tmp_path / "out.pt"
     mp.start_processes(
         _worker,
-        args=(str(job), [_free_port() for _ in range(3)], str(out)),
+        args=(str(job), free_ports(3), str(out)),
         nprocs=2,
         start_method=forkserver(),
     )
@@ -126,7 +120,7 @@ def test_a_world_left_is_held_until_the_next_one_has_stepped_then_freed(token_fi
     job = tmp_path / "job.toml"
     job.write_text(small_job_text(token_file))
     out = tmp_path / "out.pt"
-    mp.start_processes(_survivor, args=(str(job), [_free_port() for _ in range(3)], str(out)),
+    mp.start_processes(_survivor, args=(str(job), free_ports(3), str(out)),
                        nprocs=2, start_method=forkserver())
     result = torch.load(out, weights_only=False)
     # Each world's groups outlive its teardown (nothing to free on the critical path) ...
@@ -196,7 +190,7 @@ def test_a_step_that_fails_mid_way_leaves_no_group_alive(token_file: Path, tmp_p
     job = tmp_path / "job.toml"
     job.write_text(small_job_text(token_file))
     out = tmp_path / "out"
-    mp.start_processes(_dies_mid_step, args=(str(job), _free_port(), delay, str(out)), nprocs=3,
+    mp.start_processes(_dies_mid_step, args=(str(job), free_port(), delay, str(out)), nprocs=3,
                        start_method=forkserver())
     for rank in (0, 1):
         result = torch.load(f"{out}.{rank}")
@@ -268,7 +262,7 @@ def test_a_failed_rank_severs_its_connections_so_peers_blocked_on_it_fail_at_onc
     failed severs them first: a peer waiting on it (not on the dead rank) fails while the rank
     still holds every group, instead of at its process-group timeout."""
     out = tmp_path / "out"
-    context = mp.start_processes(_blocked_on_a_survivor, args=(_free_port(), str(out)),
+    context = mp.start_processes(_blocked_on_a_survivor, args=(free_port(), str(out)),
                                  nprocs=3, start_method=forkserver(), join=False)
     try:
         while not context.join():  # returns as each process ends (rank 1 within 30 s)

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import socket
 import threading
 from datetime import timedelta
 from pathlib import Path
@@ -19,6 +18,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from daemon.procutil import free_port
 from parallel.job import load
 from parallel.layout import resolve
 from parallel.mesh import build_mesh
@@ -30,12 +30,6 @@ from trainer.teardown import Teardown, freeze_import_heap, leave_world
 from trainer.warm_up import warm_up
 
 pytestmark = pytest.mark.distributed
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _resources() -> tuple[int, int]:
@@ -76,7 +70,7 @@ def _rank(rank: int, job: str, port: int, warm: bool, out: str) -> None:
 
 
 def _run(job: Path, warm: bool, out: Path) -> tuple[dict, dict]:
-    mp.start_processes(_rank, args=(str(job), _free_port(), warm, str(out)), nprocs=2,
+    mp.start_processes(_rank, args=(str(job), free_port(), warm, str(out)), nprocs=2,
                        start_method=forkserver())
     return tuple(torch.load(f"{out}.{rank}", weights_only=False) for rank in (0, 1))
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 import contextlib
 import json
 import shutil
-import socket
 import subprocess
 import urllib.parse
 import urllib.request
@@ -24,7 +23,7 @@ import pytest
 import yaml
 
 from daemon.cli.local import LocalCluster, _call
-from daemon.procutil import terminate
+from daemon.procutil import free_port, terminate
 from proto.ultrascale.v1 import agent_pb2 as pb
 from tests.conftest import small_job_text
 from tests.deploy_files import PROMETHEUS, RULE_FILES, names_used, recorded_names
@@ -117,12 +116,6 @@ def job(tmp_path_factory: pytest.TempPathFactory, token_file: Path) -> Iterator[
         yield job
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 class Prometheus:
     def __init__(self, root: Path, targets: list[str]) -> None:
         root.mkdir(parents=True, exist_ok=True)
@@ -132,7 +125,7 @@ class Prometheus:
             "scrape_configs": [{"job_name": "ultrad", "static_configs": [{"targets": targets}]}],
         }
         (root / "prometheus.yml").write_text(yaml.safe_dump(config))
-        self.url = f"http://127.0.0.1:{_free_port()}"
+        self.url = f"http://127.0.0.1:{free_port()}"
         self.log = root / "prometheus.log"
         with self.log.open("ab") as log:
             self.proc = subprocess.Popen(

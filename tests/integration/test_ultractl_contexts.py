@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -18,6 +17,7 @@ import pytest
 
 from daemon.cli.ctlconfig import config_path, load_context, save_context
 from daemon.cli.local import LocalCluster
+from daemon.procutil import free_port
 from tests.integration.conftest import ROOT, TTL, Cluster, wait_until
 
 pytestmark = pytest.mark.integration
@@ -105,12 +105,6 @@ def test_context_learns_every_member_through_one_agent(local: LocalCluster,
         gone = ultractl(config, *command)
         assert gone.returncode == 3, gone
         assert "cannot reach any agent" in gone.stderr and seed in gone.stderr
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_flags_after_the_command_and_flag_over_env_over_context(shared_cluster: Cluster,

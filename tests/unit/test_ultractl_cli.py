@@ -18,6 +18,7 @@ import yaml
 
 from daemon.cli import ctlconfig, ultractl
 from daemon.cli.ctlconnect import Target, TargetError, TLSFiles, resolve_target
+from daemon.procutil import free_port
 
 pytestmark = pytest.mark.unit
 
@@ -226,9 +227,7 @@ def test_a_broken_config_file_is_a_usage_error_naming_the_field(tmp_path, capsys
 
 @pytest.fixture
 def closed_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return free_port()
 
 
 @pytest.fixture
