@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import socket
 import stat
 from pathlib import Path
 
@@ -258,6 +259,17 @@ def test_free_ports_are_distinct() -> None:
     for _ in range(50):
         ports = free_ports(3)
         assert len(set(ports)) == 3 and all(ports)
+
+
+def test_free_ports_come_from_below_the_ephemeral_range() -> None:
+    # Outgoing connections take their source ports from that range: a port picked there, then
+    # released until etcd restarts on it, was once taken in between (EADDRINUSE on restart).
+    first_ephemeral = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    for _ in range(50):
+        for port in free_ports(3):
+            assert 1024 <= port < first_ephemeral
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", port))  # and free: the check bound it
 
 
 def test_etcd_ports_differ_and_keep_what_is_set(tmp_path: Path) -> None:
