@@ -41,10 +41,9 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 
-from checkpoint.state import TrainState
+from checkpoint.state import SAVED_HYPERPARAMETERS, TrainState
 
 _MODEL = "state.model."  # dcp.save({"state": TrainState}) prefixes every key with "state."
-_HYPERPARAMETERS = "state.optim.hyperparameters."
 _RNG = "state.rng"
 _PROGRESS = {"state.progress.step": lambda s: s.progress.step,
              "state.progress.consumed_samples": lambda s: s.progress.consumed_samples}
@@ -281,11 +280,11 @@ def _byte_getter(state: TrainState, flat: dict[str, Any], groups: dict[int, int]
     if fqn in _PROGRESS:
         read = _PROGRESS[fqn]
         return fqn, lambda: read(state), ()
-    if not fqn.startswith(_HYPERPARAMETERS):
+    if not fqn.startswith(SAVED_HYPERPARAMETERS):
         return None
     # "state.optim.hyperparameters.<parameter fqn>": its group's (name, value) pairs by name
     # (checkpoint/state.py), read afresh from the group.
-    parameter = fqn[len(_HYPERPARAMETERS):]
+    parameter = fqn[len(SAVED_HYPERPARAMETERS):]
     tensor, pairs = flat.get(_MODEL + parameter), flat.get(fqn)
     if not isinstance(tensor, torch.Tensor) or not isinstance(pairs, tuple):
         return None

@@ -46,6 +46,8 @@ _FLAT = "param_groups."
 _PACKED = "hyperparameters."
 # How a checkpoint written in the flat form names those items (under `dcp.load({"state": ...})`).
 _SAVED_FLAT = "state.optim." + _FLAT
+# And the packed form (checkpoint/snapshot_fastpath.py serves those items by this name).
+SAVED_HYPERPARAMETERS = "state.optim." + _PACKED
 
 
 def pack_hyperparameters(optim_sd: dict[str, Any]) -> dict[str, Any]:
@@ -86,9 +88,11 @@ def present_as_saved(state_dict: dict[str, Any], saved: Any) -> None:
     """Before a load: when the checkpoint (its keys `saved`) holds the hyper-parameters in the
     flat form (written before they were packed), present `state_dict`'s ("state": a
     TrainState's) that way too, so that DCP finds every item; `load_state_dict` takes both."""
-    optim = state_dict.get("state", {}).get("optim") if isinstance(state_dict.get("state"),
-                                                                   dict) else None
-    if not isinstance(optim, dict) or not any(str(k).startswith(_SAVED_FLAT) for k in saved):
+    if not any(str(key).startswith(_SAVED_FLAT) for key in saved):
+        return
+    state = state_dict.get("state")
+    optim = state.get("optim") if isinstance(state, dict) else None
+    if not isinstance(optim, dict):
         return
     flat = unpack_hyperparameters(optim)
     optim.clear()

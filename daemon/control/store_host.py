@@ -74,8 +74,11 @@ class StoreHost:
         self._timer: asyncio.TimerHandle | None = None
 
     def prepare(self) -> None:
-        """Start the spare store in the background (no-op when one is started or starting)."""
-        self._timer = None
+        """Start the spare store in the background (no-op when one is started or starting);
+        a `prepare_later` pending is done with."""
+        if self._timer is not None:
+            self._timer.cancel()  # harmless when it is the timer's own call
+            self._timer = None
         if self._spare is None:
             self._spare = in_daemon_thread(self._start, "store-spare")
 
