@@ -8,6 +8,7 @@ mode); the last test needs a GPU (run it where one is lent)."""
 from __future__ import annotations
 
 import threading
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -111,28 +112,51 @@ def test_on_cpu_the_copy_runs_off_the_step_and_the_next_update_waits_for_it(shm,
         complete(self)
 
     monkeypatch.setattr(HostStaging, "complete", held_complete)
+    # The update's wait, as the step's thread sees it: when it began, when it ended, and what
+    # the staging counted of it.
+    fence = HostStaging.fence
+    waits: list[tuple[float, float, float]] = []
+    entered = threading.Event()
+
+    def timed_fence(self):
+        began = time.monotonic()
+        entered.set()
+        waited = fence(self)
+        waits.append((began, time.monotonic(), waited))
+        return waited
+
+    monkeypatch.setattr(HostStaging, "fence", timed_fence)
     _train(state, snapshots.fence)
     want = _values(state)
+    waits.clear()
+    entered.clear()
     assert snapshots.take(state)  # returns with its copy not made: the copy is off the step
     assert reached.wait(30)
     # The next step runs until its update, which waits for the copy.
     stepped = threading.Thread(target=_train, args=(state, snapshots.fence))
     stepped.start()
+    assert entered.wait(30)
     stepped.join(0.3)
     assert stepped.is_alive(), "the update did not wait for the snapshot's copy"
     _assert_equal(_values(state), want)
+    released = time.monotonic()
     release.set()
     stepped.join(30)
     assert not stepped.is_alive()
     assert not _values(state)["model.0.weight"].equal(want["model.0.weight"])
+    [(_, ended, waited)] = waits
+    assert ended >= released and waited > 0  # it went on only once the copy was made
     # The update's wait is the held snapshot's: it counts in the next snapshot's blocking time.
-    assert snapshots.take(state) and snapshots.blocking_seconds >= 0.3
+    assert snapshots.take(state) and snapshots.blocking_seconds >= waited
     assert snapshots.drain() and snapshots.failures == 0
     _assert_equal(_restored(shm, 3), want)
 
 
-def _thread_names() -> list[str]:
-    return [(task / "comm").read_text().strip() for task in Path("/proc/self/task").iterdir()]
+def _writer_threads() -> set[str]:
+    """The ids of this process's threads named as snapshot writers (a failed test before this
+    one may have left its own)."""
+    return {task.name for task in Path("/proc/self/task").iterdir()
+            if (task / "comm").read_text().strip() == SNAPSHOT_WRITER}
 
 
 @pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="needs Linux /proc")
@@ -140,12 +164,13 @@ def test_the_writer_thread_is_named_for_top_and_pinning(shm):
     """`top -H`, and bench.overhead --pin (which keeps it off the training core), see it."""
     state = _state()
     snapshots = Snapshots(shm, 1, {}, print)
+    before = _writer_threads()
     # The first is a full save on the step; the second starts the writer thread, which names
     # itself before it writes; the third waits for that write.
     for _ in range(3):
         _train(state, snapshots.fence)
         assert snapshots.take(state)
-    assert _thread_names().count(SNAPSHOT_WRITER) == 1
+    assert len(_writer_threads() - before) == 1
     assert snapshots.drain()
 
 
