@@ -75,9 +75,7 @@ def launch(nproc: int, argv: list[str]) -> int:
     with tempfile.TemporaryDirectory(prefix="forkrun-") as tmp:
         stderrs = [Path(tmp) / f"rank{rank}.stderr" for rank in range(nproc)]
         code, first_failed = _run_ranks(nproc, argv, stderrs)
-        order = [r for r in range(nproc) if r != first_failed] + (
-            [first_failed] if first_failed is not None else [])
-        for rank in order:
+        for rank in sorted(range(nproc), key=lambda r: r == first_failed):  # it last
             text = stderrs[rank].read_text(errors="replace") if stderrs[rank].exists() else ""
             if text:
                 sys.stderr.write(text if nproc == 1 else f"--- rank {rank} stderr ---\n{text}")
