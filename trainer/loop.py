@@ -28,6 +28,7 @@ from parallel import grad_norm
 from parallel.exact_sum import exact_slot_sum, exact_squared_norm
 from parallel.job import JobConfig, TrainConfig
 from parallel.layout import Layout, predicted_bubble
+from parallel.materialize import materialize
 from parallel.mesh import data_mesh, expert_data_mesh, has_experts_dim
 from parallel.mixed_precision import compute_context
 from parallel.parallelize import parallelize
@@ -176,7 +177,7 @@ class Trainer:
             else [self.model]
         )
         self.parts = parts
-        self.model.to_empty(device=device)
+        materialize(self.model, device)
         self.spec.tie_weights(self.model)
         if initial_weights:
             self.draw_initial_weights()  # the buffers too
