@@ -104,11 +104,12 @@ def _rank(rank: int, world: int, parallel: str, port: int, out: str) -> None:
         losses.append(loss.item())
         grads.append({n: (p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad).clone()
                       for n, p in m.named_parameters() if p.grad is not None})
+    shards = _fsdp_shards(model)
     result = {
         "mismatches": mismatches,
-        "fsdp": _fsdp_shards(model) == _fsdp_shards(reference),
-        "fsdp_held": all(held for held, _ in _fsdp_shards(model).values()),
-        "fsdp_params": len(_fsdp_shards(model)),
+        "fsdp": shards == _fsdp_shards(reference),
+        "fsdp_held": all(held for held, _ in shards.values()),
+        "fsdp_params": len(shards),
         "losses": losses,
         "grads_equal": grads[0].keys() == grads[1].keys() and len(grads[0]) > 0 and all(
             torch.equal(grads[0][n], grads[1][n]) for n in grads[0]),
