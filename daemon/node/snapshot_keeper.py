@@ -46,6 +46,7 @@ from checkpoint.snapshot_format import (
     snapshot_root,
     step_dir,
 )
+from checkpoint.snapshot_store import SnapshotStore
 from daemon.config import AgentConfig
 from daemon.control.etcd_client import ETCD_ERRORS, Etcd
 from daemon.control.keys import Keys
@@ -97,6 +98,7 @@ class SnapshotKeeper:
         self._replicated: dict[int, tuple[frozenset[str], tuple[object, ...]]] = {}
         self._retry = False  # a publication failed: work again at the next poll
         self._retry_failing = False  # the last publication failed (logged once until one works)
+        self._purge_due = True  # a restore discarded newer steps (SnapshotStore.free_after)
         self.bytes_held = 0
 
     @classmethod
@@ -129,6 +131,8 @@ class SnapshotKeeper:
                 async with asyncio.timeout(self.poll_s):
                     await self.wake.wait()
             self.wake.clear()
+            if self._purge_due:
+                await self.purge_discarded()
             listing = self._listing()
             self._note_newest(listing, time.monotonic())
             signature = self._signature(listing)
@@ -225,8 +229,11 @@ class SnapshotKeeper:
         return freed
 
     def restored(self, generation: int, step: int) -> None:
-        """This node's workers of `generation` restored `step` and freed every newer one (on
-        every member): what was sent or received of those steps was the replaced history's."""
+        """This node's workers of `generation` restored `step` and discarded every newer one
+        (on every member): what was sent or received of those steps was the replaced
+        history's. Removing what they discarded is the next poll's (`purge_discarded`)."""
+        self._purge_due = True
+        self.wake.set()
         run = self.replicator.run
         if generation == run.generation:
             return
@@ -235,7 +242,13 @@ class SnapshotKeeper:
         self._received = {k for k in self._received if k[0] <= step}
         # Newer steps will be trained again: the same names, new content.
         self._replicated = {k: v for k, v in self._replicated.items() if k <= step}
-        self.wake.set()
+
+    async def purge_discarded(self) -> None:
+        """Remove the step directories a restoring worker renamed away: its restore does not
+        wait for their removal (SnapshotStore.free_after), and this loop does not either (a
+        thread removes them)."""
+        self._purge_due = False
+        await asyncio.to_thread(SnapshotStore(self.root).purge_discarded)
 
     # -- what is here -------------------------------------------------------------------------
 

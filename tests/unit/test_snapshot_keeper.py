@@ -26,6 +26,7 @@ from checkpoint.snapshot_format import (
     step_dir,
     write_atomically,
 )
+from checkpoint.snapshot_store import SnapshotStore
 from daemon.control.peer_key import PeerKey
 from daemon.control.records import HeldStep, Progress, SnapshotHoldings
 from daemon.node.copy_admission import sign
@@ -385,6 +386,28 @@ def test_a_copy_received_before_a_restore_is_not_taken_for_a_peers_afterwards(ro
     make_step(root, 10, [100])
     asyncio.run(k._replicate(k._listing(), ()))
     assert (10, shard_name(0)) in sent
+
+
+def test_the_keeper_removes_what_a_restore_discarded_after_it_is_told_of_the_restore(root):
+    view = _two_node_view(generation=2, restored=8)
+    k = _sender(root, view, None)
+    for step in (8, 9):
+        make_step(root, step, [100])
+
+    async def scenario() -> None:
+        await k.purge_discarded()  # nothing discarded yet: nothing removed
+        assert sorted(p.name for p in root.iterdir()) == ["step_00000008", "step_00000009"]
+        SnapshotStore(root).free_after(8)  # generation 3's worker restored 8
+        names = sorted(p.name for p in root.iterdir())
+        assert names[0].startswith(".discarded-step_00000009-")
+        assert names[1:] == ["step_00000008"]
+        k.restored(3, 8)
+        assert k._purge_due and k.wake.is_set()
+        await k.purge_discarded()
+        assert sorted(p.name for p in root.iterdir()) == ["step_00000008"]
+        assert not k._purge_due
+
+    asyncio.run(scenario())
 
 
 def test_a_file_that_appears_in_a_step_already_sent_is_sent_too(root):

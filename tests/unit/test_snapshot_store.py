@@ -77,6 +77,31 @@ def test_lists_complete_steps_and_keeps_the_last_two(root):
     assert sorted(p.name for p in root.iterdir()) == ["step_00000004", "step_00000006"]
 
 
+def test_a_restore_discards_newer_steps_at_once_and_a_purge_removes_them(root):
+    """`free_after` renames each newer step out of the steps' names: nothing lists, reads or
+    restores it from then on; `purge_discarded` removes it later (the agent's keeper)."""
+    for step in (4, 5, 6):
+        make_step(root, step, [100, 200])
+    store = SnapshotStore(root)
+    assert store.free_after(4) == [5, 6]
+    assert store.steps() == [4]
+    assert not step_dir(root, 5).exists() and not step_dir(root, 6).exists()
+    with pytest.raises(SnapshotInvalid):
+        store.read(5, shard_name(0), 0, 10)
+    assert read_held(root, 6, shard_name(0), 0, 10) is None
+    assert len(store.discarded()) == 2
+    # Step 5 trained again, in the new history, and replaced once more before any purge.
+    make_step(root, 5, [100, 200])
+    assert store.free_after(4) == [5]
+    assert len(store.discarded()) == 3
+    make_step(root, 5, [100, 200])  # and again: this one counts
+    assert store.steps() == [4, 5]
+    assert store.purge_discarded() == 3
+    assert store.discarded() == []
+    assert sorted(p.name for p in root.iterdir()) == ["step_00000004", "step_00000005"]
+    assert store.free_after(5) == [] and store.purge_discarded() == 0
+
+
 def test_reads_verified_ranges_across_chunks(root):
     contents = make_step(root, 7, [2 * CHUNK_BYTES + 12345, 10])
     store = SnapshotStore(root)
