@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.chaos.replay import ReplayResult, Segment, compare, segments
+from tests.chaos.replay import ReplayResult, Segment, compare, segments, torchrun_runs
 from tests.chaos.runner import Fault, committed, consistency_problems, fault_effect, steps_rerun
 
 pytestmark = pytest.mark.unit
@@ -31,6 +31,19 @@ def test_a_replanned_generation_is_its_own_segment_with_its_layout() -> None:
     lines = [{**x, "dp": 1, "pp": 2} for x in lines] + [line(s, 2, 1, 10.0 + s) for s in (5, 6)]
     assert segments(lines) == [Segment(1, 2, 1, 1, 4, tp=1, pp=2, cp=1),
                                Segment(2, 1, 1, 5, 6, tp=1, pp=1, cp=1)]
+
+
+def test_consecutive_segments_of_one_layout_are_one_torchrun_run() -> None:
+    # A worker replaced at the same size (gen 2), a node lost (gen 3) and back (gen 4, 5), then
+    # a re-planned pp (gen 6): one run per change of layout, each as long as its segments.
+    segs = [Segment(1, 3, 3, 1, 6), Segment(2, 3, 3, 7, 8), Segment(3, 2, 2, 9, 20),
+            Segment(4, 3, 3, 21, 21), Segment(5, 3, 3, 22, 30),
+            Segment(6, 3, 1, 31, 40, pp=3)]
+    assert torchrun_runs(segs) == [Segment(1, 3, 3, 1, 8), Segment(3, 2, 2, 9, 20),
+                                   Segment(4, 3, 3, 21, 30), Segment(6, 3, 1, 31, 40, pp=3)]
+    # Not consecutive (a re-run that the committed lines would never give): left apart.
+    gap = [Segment(1, 3, 3, 1, 6), Segment(2, 3, 3, 8, 9)]
+    assert torchrun_runs(gap) == gap
 
 
 def test_consistent_history_has_no_problem() -> None:
