@@ -4,7 +4,8 @@
                              [--arms bare,ultrad,ultrad+snap] [--pin [--pinned-steps 300]]
 
 The job of `bench.recovery` (a 2-layer GQA Llama, global batch 10, no durable checkpoints) on
-`--nodes` CPU ranks, in three arms, interleaved run by run. `--global-batch` scales a step's
+`--nodes` CPU ranks, in three arms, interleaved run by run (each run in another order: the
+first run bare, ultrad, ultrad+snap; the next ultrad, ultrad+snap, bare; and so on). `--global-batch` scales a step's
 compute without changing the state a snapshot copies or the control messages of a step: what
 ultrad adds per step is about constant, so its ratio to the bare loop shrinks as steps grow
 (the tiny job's ~0.1 s steps are its worst case; a real job's steps take seconds).
@@ -367,12 +368,21 @@ def run_ultrad(work: Path, job: Path, steps: int, nodes: int, snapshots: bool,
                   calls / nodes, blocking, snapshot_bytes)
 
 
+def run_order(arms: list[str], run: int) -> list[str]:
+    """The arms in the order run `run` runs them: rotated by one each run, so that over as
+    many runs as there are arms each arm runs first, second and third once. A fixed order
+    puts any drift within a run (the machine's speed, what the runs before left behind) on
+    the later arms' ratios to the bare loop, always in the same direction."""
+    k = run % len(arms)
+    return arms[k:] + arms[:k]
+
+
 def table(root: Path, job: Path, arms: list[str], runs: int, steps: int, ranks: int,
           global_batch: int, pin: bool) -> None:
     """Run every arm `runs` times, interleaved, and print the table."""
     results: dict[str, list[ArmRun]] = {arm: [] for arm in arms}
     for run in range(runs):
-        for arm in arms:
+        for arm in run_order(arms, run):
             work = root / f"{'pinned' if pin else 'free'}-{arm}-{run}"
             work.mkdir()
             started = time.monotonic()
