@@ -214,7 +214,7 @@ def _last_line(path: Path) -> str:
 
 def _pythonpath() -> str:
     # Agents must import this checkout's packages even when it is not installed.
-    root = str(Path(__file__).resolve().parent.parent)
+    root = str(Path(__file__).resolve().parents[2])  # daemon/cli/local.py -> the checkout
     rest = os.environ.get("PYTHONPATH", "")
     return f"{root}{os.pathsep}{rest}" if rest else root
 
