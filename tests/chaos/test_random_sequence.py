@@ -81,7 +81,12 @@ def _settle(run: ChaosRun, rng: random.Random, restart: str | None, full_world: 
         run.wait_step(f.step + 1, after=f.time, timeout=STALL_LIMIT_S)
     if restart is not None:
         run.restart_agent(restart)
-    target = f.step + 1 + rng.randint(0, 2)
+    # Past any step a failure of this fault can name (the failing rank may have finished
+    # f.step + 1 before rank 0 committed it): the leader forgets a run of failures only once a
+    # later generation gets past their steps, and three in a row on one node cordon it
+    # (daemon/control/crash_loop.py), which a sequence that keeps hitting one node would
+    # otherwise trigger by settling one step too early.
+    target = f.step + 2 + rng.randint(0, 2)
     wait(lambda: any(x["world_size"] == full_world and x["time"] >= f.time
                      and x["step"] >= target for x in run.lines()) or run.finished_now(),
          2 * STALL_LIMIT_S, f"the full world to commit step {target} after {f.name}", 0.1)
