@@ -5,10 +5,11 @@
 
 The job of `bench.recovery` (a 2-layer GQA Llama, global batch 10, no durable checkpoints) on
 `--nodes` CPU ranks, in three arms, interleaved run by run (each run in another order: the
-first run bare, ultrad, ultrad+snap; the next ultrad, ultrad+snap, bare; and so on). `--global-batch` scales a step's
-compute without changing the state a snapshot copies or the control messages of a step: what
-ultrad adds per step is about constant, so its ratio to the bare loop shrinks as steps grow
-(the tiny job's ~0.1 s steps are its worst case; a real job's steps take seconds).
+first run bare, ultrad, ultrad+snap; the next ultrad, ultrad+snap, bare; and so on).
+`--global-batch` scales a step's compute without changing the state a snapshot copies or the
+control messages of a step: what ultrad adds per step is about constant, so its ratio to the
+bare loop shrinks as steps grow (the tiny job's ~0.1 s steps are its worst case; a real job's
+steps take seconds).
 
   bare        torchrun --standalone --nproc-per-node=N -m trainer: the plain FSDP2 loop
   ultrad      `--nodes` agents on loopback, one worker each, snapshots off
