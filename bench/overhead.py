@@ -49,8 +49,12 @@ it runs on a core the step does not use. That table also shows a snapshot's bloc
 worker's own figure, from the agent's `ultra_checkpoint_blocking_seconds{tier="memory"}`, over
 the snapshots after the first 5 steps: the rewrites, not the generation's first snapshot, a
 full collective save) against a plain copy of the same bytes on CPU 0, from memory (after
-writing 256 MiB, more than the caches hold) and from the caches. The unpinned table of
-`--nodes` ranks follows, for comparison.
+writing 256 MiB, more than the caches hold) and from the caches. Two figures that no drift
+of the machine's speed moves: the CPU per step of the rank's main thread and of its other
+threads on CPU 0 (gloo's, gRPC's, the heartbeat: what the step path adds there besides the
+step itself), and a check of the pinning's premise, that work on CPU 1 leaves CPU 0 alone
+(matrix multiplications on CPU 0 while CPU 1 is idle, runs a Python loop, copies memory).
+The unpinned table of `--nodes` ranks follows, for comparison.
 """
 
 from __future__ import annotations
@@ -119,6 +123,34 @@ def _is_standby(pid: int) -> bool:
     return False
 
 
+def training_threads_cpu(pids: list[int]) -> tuple[float, float]:
+    """(main thread, other threads on TRAINING_CPU) CPU seconds so far of the training ranks
+    among `pids`: what runs on the step's core. The snapshot writer (moved off it) is neither."""
+    main = others = 0.0
+    for pid in pids:
+        if not _is_training(pid):
+            continue
+        with contextlib.suppress(OSError):
+            for task in Path(f"/proc/{pid}/task").iterdir():
+                with contextlib.suppress(OSError):
+                    if (task / "comm").read_text().strip() == SNAPSHOT_WRITER:
+                        continue
+                    seconds = _stat_cpu(task / "stat")
+                    if int(task.name) == pid:
+                        main += seconds
+                    else:
+                        others += seconds
+    return main, others
+
+
+def _is_training(pid: int) -> bool:
+    """A training rank: `python -m trainer...`, not torchrun's agent, not a standby."""
+    argv = _cmdline(pid)
+    if "-m" not in argv or "torch.distributed.run" in argv or _is_standby(pid):
+        return False
+    return any(a == "trainer" or a.startswith("trainer.") for a in argv)
+
+
 def pin_training(pids: list[int]) -> None:
     """Move every thread of the training ranks among `pids` to TRAINING_CPU (threads they start
     later inherit it; called again at each sample for threads started from elsewhere), except
@@ -126,10 +158,7 @@ def pin_training(pids: list[int]) -> None:
     the design keeps off the step, and it goes to OTHER_CPUS with the rest of the control
     path, as on a GPU node, where it runs on a core the step does not use."""
     for pid in pids:
-        argv = _cmdline(pid)
-        if "-m" not in argv or "torch.distributed.run" in argv or _is_standby(pid):
-            continue
-        if not any(a == "trainer" or a.startswith("trainer.") for a in argv):
+        if not _is_training(pid):
             continue
         with contextlib.suppress(OSError):
             for task in Path(f"/proc/{pid}/task").iterdir():
@@ -161,6 +190,52 @@ def copy_seconds(nbytes: int, runs: int = 20, cold: bool = False) -> float:
         return statistics.median(times)
     finally:
         os.sched_setaffinity(0, before)
+
+
+NEIGHBOURS = {  # what runs on OTHER_CPUS while TRAINING_CPU multiplies matrices
+    "idle": None,
+    "a Python loop": "print(flush=True)\nwhile True:\n    d = {i: str(i) for i in range(1000)}",
+    "a memory copy": "import torch\nx = torch.empty(16 << 20, dtype=torch.uint8)\n"
+                     "y = torch.empty_like(x)\nprint(flush=True)\nwhile True:\n    y.copy_(x)",
+}
+
+
+def neighbour_interference(rounds: int = 5, seconds: float = 0.4) -> dict[str, float]:
+    """Matrix multiplications per second on TRAINING_CPU while OTHER_CPUS is idle, runs a
+    Python loop, or copies memory (rounds interleaved; the median of each), relative to
+    idle. Two vCPUs of a virtual machine may share one physical core or its caches: then
+    what the control path does on "its own" core slows the step's."""
+    import torch
+
+    torch.set_num_threads(1)
+    a, b = torch.randn(192, 192), torch.randn(192, 192)
+    before = os.sched_getaffinity(0)
+    rates: dict[str, list[float]] = {name: [] for name in NEIGHBOURS}
+    try:
+        for _ in range(rounds):
+            for name, code in NEIGHBOURS.items():
+                neighbour = None if code is None else subprocess.Popen(
+                    [sys.executable, "-c", code], stdout=subprocess.PIPE,
+                    preexec_fn=lambda: os.sched_setaffinity(0, OTHER_CPUS))
+                try:
+                    if neighbour is not None:
+                        neighbour.stdout.readline()  # it is in its loop
+                    os.sched_setaffinity(0, TRAINING_CPU)
+                    done, started = 0, time.perf_counter()
+                    while time.perf_counter() - started < seconds:
+                        for _ in range(20):
+                            torch.mm(a, b)
+                        done += 20
+                    rates[name].append(done / (time.perf_counter() - started))
+                finally:
+                    os.sched_setaffinity(0, before)
+                    if neighbour is not None:
+                        neighbour.kill()
+                        neighbour.wait()
+    finally:
+        os.sched_setaffinity(0, before)
+    idle = statistics.median(rates["idle"])
+    return {name: statistics.median(r) / idle for name, r in rates.items()}
 
 
 def snapshot_step_bytes(snapshot_dir: Path) -> int:
@@ -226,11 +301,18 @@ class CpuMeter:
     control: list[tuple[float, int, float]] = field(default_factory=list)
     workers: list[tuple[float, int, float]] = field(default_factory=list)
     calls: list[tuple[float, int, float]] = field(default_factory=list)
+    # pinned runs: the training rank's main thread and its other threads on the step's core
+    main_thread: list[tuple[float, int, float]] = field(default_factory=list)
+    other_threads: list[tuple[float, int, float]] = field(default_factory=list)
     _worker_cpu: dict[int, float] = field(default_factory=dict)
 
     def sample(self, control: list[int], workers: set[int]) -> None:
         if self.pin:
             pin_training(sorted(workers))
+            main, others = training_threads_cpu(sorted(workers))
+            n = committed(self.steps_file)
+            self.main_thread.append((time.time(), n, main))
+            self.other_threads.append((time.time(), n, others))
         now, n = time.time(), committed(self.steps_file)
         self.control.append((now, n, sum(cpu_seconds(p) for p in control)))
         for pid in workers:  # a worker that exited keeps the CPU it was last seen with
@@ -238,12 +320,15 @@ class CpuMeter:
         self.workers.append((now, n, sum(self._worker_cpu.values())))
         self.calls.append((now, n, float(collectives(self.counts))))
 
-    def per_step(self, steps: int, after: float = 0.0) -> tuple[float, float, float]:
-        """(control, workers) CPU seconds per step and collectives per step (all ranks), from
-        samples taken after `after` (the standby workers' torch import is a start-up cost, not
-        a per-step one)."""
+    def per_step(self, steps: int, after: float = 0.0
+                 ) -> tuple[float, float, float, float, float]:
+        """(control, workers) CPU seconds per step, collectives per step (all ranks), and (the
+        training rank's main thread, its other threads on the step's core) CPU seconds per step
+        (pinned runs; NaN otherwise), from samples taken after `after` (the standby workers'
+        torch import is a start-up cost, not a per-step one)."""
         return tuple(control_cpu_per_step([(n, c) for t, n, c in samples if t > after], steps)
-                     for samples in (self.control, self.workers, self.calls))  # type: ignore
+                     for samples in (self.control, self.workers, self.calls, self.main_thread,
+                                     self.other_threads))  # type: ignore
 
 
 @dataclass
@@ -252,6 +337,8 @@ class ArmRun:
     control_cpu: float  # CPU seconds per step of the control processes
     worker_cpu: float  # and of the training processes
     collectives: float  # collective calls per step and rank
+    main_thread_cpu: float = float("nan")  # pinned: the rank's main thread, CPU s per step
+    other_threads_cpu: float = float("nan")  # pinned: its other threads on the step's core
     # Mean seconds a snapshot held the step (ultrad+snap), over the snapshots after the first
     # WARMUP steps: the rewrites, not the generation's first snapshot (a full, collective save).
     blocking: float = float("nan")
@@ -284,16 +371,22 @@ def run_bare(work: Path, job: Path, steps: int, ranks: int, pin: bool = False) -
         finally:
             with contextlib.suppress(ProcessLookupError):
                 proc.kill()
-    control, workers, calls = meter.per_step(steps)
-    return ArmRun(step_gaps(output / "steps.jsonl"), control, workers, calls / ranks)
+    control, workers, calls, main, others = meter.per_step(steps)
+    return ArmRun(step_gaps(output / "steps.jsonl"), control, workers, calls / ranks, main,
+                  others)
 
 
 def cpu_seconds(pid: int) -> float:
     """User + system CPU seconds of process `pid` so far (0 once it is gone)."""
     try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return _stat_cpu(Path(f"/proc/{pid}/stat"))
     except OSError:
         return 0.0
+
+
+def _stat_cpu(stat: Path) -> float:
+    """User + system CPU seconds in a /proc stat file (a process's or a thread's)."""
+    fields = stat.read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
@@ -364,9 +457,9 @@ def run_ultrad(work: Path, job: Path, steps: int, nodes: int, snapshots: bool,
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.kill(pid, 9)
     ready = standbys_ready(cluster.state_dir)
-    control, workers, calls = meter.per_step(steps, ready)
+    control, workers, calls, main, others = meter.per_step(steps, ready)
     return ArmRun(step_gaps(output / "steps.jsonl", after=ready), control, workers,
-                  calls / nodes, blocking, snapshot_bytes)
+                  calls / nodes, main, others, blocking, snapshot_bytes)
 
 
 def run_order(arms: list[str], run: int) -> list[str]:
@@ -425,6 +518,13 @@ def table(root: Path, job: Path, arms: list[str], runs: int, steps: int, ranks: 
                 ratios = [a / b for a, b in zip(medians[arm], medians["bare"], strict=True)]
                 print(f"{arm:<12} median {statistics.median(ratios):.3f}x  "
                       f"({', '.join(f'{r:.3f}' for r in ratios)})")
+    if pin:
+        print(f"\nCPU per step on the step's core (CPU {min(TRAINING_CPU)}), from /proc: the "
+              f"rank's main thread, and its other threads (gloo's, gRPC's, the heartbeat; "
+              f"not the snapshot writer, moved off it)")
+        for arm in arms:
+            print(f"{arm:<12} main thread {med(arm, lambda r: r.main_thread_cpu) * 1e3:6.2f} ms"
+                  f"   other threads {med(arm, lambda r: r.other_threads_cpu) * 1e3:5.2f} ms")
     if pin and "ultrad+snap" in results:
         snaps = results["ultrad+snap"]
         nbytes = int(statistics.median(r.snapshot_bytes for r in snaps))
@@ -436,6 +536,12 @@ def table(root: Path, job: Path, arms: list[str], runs: int, steps: int, ranks: 
               f"a plain copy of the same bytes on CPU {min(TRAINING_CPU)}: {cold * 1e3:.3f} ms "
               f"from memory ({blocking / cold:.1f}x), {hot * 1e3:.3f} ms from the caches "
               f"({blocking / hot:.1f}x)")
+    if pin:
+        slowed = neighbour_interference()
+        print(f"\nthe step's core next to busy ones: matrix multiplications on CPU "
+              f"{min(TRAINING_CPU)} while CPU {min(OTHER_CPUS)} "
+              + ", ".join(f"{name} {ratio:.2f}x" for name, ratio in slowed.items()
+                          if name != "idle") + " (of idle)")
 
 
 def main(argv: list[str] | None = None) -> int:

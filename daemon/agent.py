@@ -93,7 +93,8 @@ class Agent:
                              StoreHost(self.io.advertised_host), cfg.ttl, cfg.debounce_s,
                              self.io.probe, self.io.snapshot_holdings)
         watchdog = self.node.start(self.io.socket_path, worker_network_env(
-            self.io.advertised_host, dict(os.environ)) | SnapshotKeeper.env(self.snapshots))
+            self.io.advertised_host, dict(os.environ)) | SnapshotKeeper.env(self.snapshots)
+            | self.io.worker_env())
         record = NodeRecord(self.node_id, self.io.address, self.io.metrics_url, cfg.devices,
                             pid=self.io.pid, version=__version__, device_memory=cfg.device_memory)
         self.membership = Membership(

@@ -1,22 +1,22 @@
-"""The worker's side of the agent's WorkerControl service (unix socket $ULTRA_AGENT_SOCKET).
+"""The worker's side of its agent: the WorkerControl service (unix socket $ULTRA_AGENT_SOCKET)
+and the step socket ($ULTRA_STEP_SOCKET).
 
 Every call has a deadline: an agent that is stopped or hung must never hold a worker, which
 would in turn hold its peers in their next collective. A call that misses its deadline, or
 fails in any other way, raises AgentUnreachable; during a generation that ends the generation.
 
-A step report does not hold the step: it is sent and the loop goes on; its reply is read when
-the next step reaches its agreement (trainer.agreement), and any other call first waits for it,
-so the agent sees a worker's calls in the order the worker made them. The report is a blocking
-call on a thread of the link's own, which waits for the reply in gRPC's C core without the GIL;
-a `.future()` call would have gRPC start a Python thread per step to spin on the channel and
-handle the reply there, taking the GIL from the step (3.6% of the samples of a pinned worker).
+A step report does not hold the step: it is written to the step socket and the loop goes on;
+its reply is read when the next step reaches its agreement (trainer.agreement), and any other
+call first reads it, so the agent sees a worker's calls in the order the worker made them. The
+report is not a gRPC call: one costs the worker several thread wake-ups per step (the caller's
+and gRPC's event engine's), on the cores the step runs on; the step socket is one `send` and one
+`recv` on the loop's own thread (trainer/step_socket.py).
 """
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
 
 import grpc
 
@@ -29,6 +29,7 @@ from trainer.agreement import Agreement
 from trainer.driver import Blocked
 from trainer.loop import StepResult
 from trainer.restore_order import Restored
+from trainer.step_socket import StepSocket
 from trainer.telemetry import ExpertTelemetry
 
 # Beyond the long poll's own wait: the agent's answer and the socket's round trip.
@@ -42,6 +43,11 @@ class AgentUnreachable(RuntimeError):
 def _unreachable(name: str, exc: grpc.RpcError) -> AgentUnreachable:
     code = exc.code().name if hasattr(exc, "code") else "UNKNOWN"
     return AgentUnreachable(f"agent unreachable: {name} failed ({code})")
+
+
+def _step_unreachable(exc: OSError) -> AgentUnreachable:
+    code = "DEADLINE_EXCEEDED" if isinstance(exc, TimeoutError) else "UNAVAILABLE"
+    return AgentUnreachable(f"agent unreachable: ReportStep failed ({code}: {exc})")
 
 
 def rpc_timeout(fault: FaultConfig) -> float:
@@ -58,13 +64,13 @@ def rpc_timeout(fault: FaultConfig) -> float:
 class AgentLink:
     """Typed, deadline-bound WorkerControl calls for one local rank."""
 
-    def __init__(self, socket_path: str, local_rank: int, fault: FaultConfig | None = None) -> None:
+    def __init__(self, socket_path: str, local_rank: int, fault: FaultConfig | None = None,
+                 step_socket: str = "") -> None:
         self.channel = grpc.insecure_channel(f"unix:{socket_path}")
         self.stub = pb_grpc.WorkerControlStub(self.channel)
         self.local_rank = local_rank
-        self._pending: Future[pb.StepReply] | None = None  # the step report in flight
-        # One thread, started at the first report: the reports go out in order, one at a time.
-        self._reporter = ThreadPoolExecutor(1, thread_name_prefix=f"step-report-{local_rank}")
+        self._steps = StepSocket(step_socket)
+        self._pending = False  # a step report is in flight: its reply is still to be read
         self.use(fault or FaultConfig())  # before the first plan the job's are unknown
 
     def use(self, fault: FaultConfig) -> None:
@@ -73,8 +79,8 @@ class AgentLink:
         self.timeout_s = rpc_timeout(fault)
 
     def close(self) -> None:
-        self._reporter.shutdown(wait=False, cancel_futures=True)
-        self.channel.close()  # ends a report in flight at once
+        self._steps.close()
+        self.channel.close()
 
     def _call(self, name: str, request, timeout: float | None = None, settle: bool = True):
         """`settle`: first wait for the step report in flight (not from the heartbeat's thread:
@@ -89,13 +95,13 @@ class AgentLink:
     def settle(self) -> Agreement:
         """The requests in the reply to the step report in flight (waiting for it, within its
         deadline); none when no report is in flight."""
-        pending, self._pending = self._pending, None
-        if pending is None:
+        pending, self._pending = self._pending, False
+        if not pending:
             return Agreement()
         try:
-            return Agreement.of(pending.result())
-        except grpc.RpcError as exc:
-            raise _unreachable("ReportStep", exc) from None
+            return Agreement.of(self._steps.reply(self.timeout_s))
+        except OSError as exc:
+            raise _step_unreachable(exc) from None
 
     def next_generation(self, after: int, wait_s: float = 30.0) -> pb.GenerationPlan:
         """Long-poll until a generation newer than `after` (or exit) is known."""
@@ -167,8 +173,11 @@ class AgentLink:
         if blocked is not None and blocked.durable is not None:
             report.checkpoint_blocking_seconds = blocked.durable
         self.settle()  # one report in flight at most
-        self._pending = self._reporter.submit(self.stub.ReportStep, report,
-                                              timeout=self.timeout_s)
+        try:
+            self._steps.send(report, self.timeout_s)
+        except OSError as exc:
+            raise _step_unreachable(exc) from None
+        self._pending = True
 
     def report_failure(
         self, gp: pb.GenerationPlan, message: str, kind: str, step: int, failed_at: float

@@ -19,6 +19,7 @@ each time it gets there; `ULTRA_FAULT_HANG_AT_STEP=N` makes it hang there (train
 
 Environment (set by the agent), read once at start into a `WorkerEnv` (trainer/world.py, where
 each generation's world is built from it and the agent's plan): ULTRA_AGENT_SOCKET,
+ULTRA_STEP_SOCKET (where the step reports go, trainer/step_socket.py),
 ULTRA_LOCAL_RANK, ULTRA_NODE_ID, ULTRA_SNAPSHOT_ROOT (where this node's in-memory snapshots
 live; unset: none are taken), the fault injections; and, read where they act,
 ULTRA_WORKER_THREADS (before torch runs anything, the standby's too), ULTRA_AGENT_PID
@@ -81,7 +82,7 @@ def main() -> int:
         log(f"standby: taking local rank {role}")
     env = WorkerEnv.from_environ(os.environ)  # the standby's, once it took its rank
     name_process(f"ultra-w{env.local_rank}")
-    link = AgentLink(env.agent_socket, env.local_rank)
+    link = AgentLink(env.agent_socket, env.local_rank, step_socket=env.step_socket)
     beat = Heartbeat(link.heartbeat, log).start()
     fault = FaultConfig()  # the last joined job's, once there is one
     generation, delay = 0, None

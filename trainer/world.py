@@ -36,6 +36,7 @@ class WorkerEnv:
     node: str  # ULTRA_NODE_ID
     local_rank: int  # ULTRA_LOCAL_RANK
     agent_socket: str  # ULTRA_AGENT_SOCKET
+    step_socket: str = ""  # ULTRA_STEP_SOCKET
     snapshot_root: Path | None = None  # ULTRA_SNAPSHOT_ROOT: None, this agent keeps none
     faults: FaultInjection | None = None  # ULTRA_FAULT_FAIL_AT_STEP, ..._HANG_AT_STEP
     nonfinite: NonFiniteInjection | None = None  # ULTRA_FAULT_NAN_STEPS, ...
@@ -46,6 +47,7 @@ class WorkerEnv:
         return cls(node=env.get("ULTRA_NODE_ID", ""),
                    local_rank=int(env.get("ULTRA_LOCAL_RANK", "0")),
                    agent_socket=env.get("ULTRA_AGENT_SOCKET", ""),
+                   step_socket=env.get("ULTRA_STEP_SOCKET", ""),
                    snapshot_root=Path(root) if root else None,
                    faults=FaultInjection.from_env(env),
                    nonfinite=NonFiniteInjection.from_env(env))

@@ -1,5 +1,6 @@
 """The agent's endpoints: the gRPC listener (admin API, health, reflection), the workers' unix
-socket, /metrics, and the channels to peers (health probes).
+sockets (WorkerControl, and the step socket: daemon/node/step_socket.py), /metrics, and the
+channels to peers (health probes).
 
 grpc.health.v1 answers "" (the agent is up) and "etcd" (SERVING while its lease keepalives are
 acknowledged). Both are open to unauthenticated callers, so peers on other hosts can probe each
@@ -35,6 +36,7 @@ from daemon.control.records import SnapshotHoldings
 from daemon.metrics import Metrics
 from daemon.node.snapshot_files import Incoming
 from daemon.node.snapshot_keeper import SnapshotKeeper
+from daemon.node.step_socket import serve_step_socket
 from daemon.node.worker_service import WorkerControlService, WorkerHost
 from daemon.tls_files import client_credentials
 from proto.ultrascale.v1 import agent_pb2 as pb
@@ -56,6 +58,8 @@ class AgentIO:
         self.metrics_url = ""
         self.health_address = ""
         self.socket_path = Path()
+        self.step_socket_path = Path()
+        self._step_server: asyncio.AbstractServer | None = None
         self.pid = os.getpid()
         self._servers: list[grpc.aio.Server] = []
         self._metrics_server: Any = None
@@ -108,11 +112,15 @@ class AgentIO:
         self.socket_path = _socket_path(cfg.state_dir)
         self.socket_path.unlink(missing_ok=True)
         workers = grpc.aio.server(options=MESSAGE_OPTIONS)
-        pb_grpc.add_WorkerControlServicer_to_server(WorkerControlService(node), workers)
+        worker_control = WorkerControlService(node)
+        pb_grpc.add_WorkerControlServicer_to_server(worker_control, workers)
         workers.add_insecure_port(f"unix:{self.socket_path}")
         self._servers.append(workers)
         await workers.start()
         os.chmod(self.socket_path, 0o600)  # only this user's processes may drive the agent
+        self.step_socket_path = self.socket_path.with_name("steps.sock")
+        self._step_server = await serve_step_socket(self.step_socket_path,
+                                                    worker_control.step_reply)
         if cfg.health_listen:
             server, self.health_address = await start_probe_server(cfg.health_listen, probes)
             self._servers.append(server)
@@ -126,10 +134,18 @@ class AgentIO:
         tmp.write_text(json.dumps(info))
         tmp.replace(path)
 
+    def worker_env(self) -> dict[str, str]:
+        """What the workers need besides ULTRA_AGENT_SOCKET (which their supervisor sets)."""
+        return {"ULTRA_STEP_SOCKET": str(self.step_socket_path)}
+
     async def stop(self) -> None:
         for server in self._servers:
             await server.stop(grace=0.5)
         self._servers.clear()
+        if self._step_server is not None:
+            self._step_server.close()
+            self._step_server = None
+            self.step_socket_path.unlink(missing_ok=True)
         self._replication.close()
         for channel in self._peers.values():
             await channel.close()

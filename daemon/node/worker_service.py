@@ -7,10 +7,12 @@ A worker's whole contract with its agent (see `proto/ultrascale/v1/agent.proto`)
    the c10d store (host, port, prefix) the plan names. `exit` means leave the loop.
 2. Join the process group through that store, restore `plan.restore`, train; `Heartbeat` about
    once a second from a thread, whatever the main thread is doing.
-3. After each step: `ReportStep`, without waiting for the reply; all ranks agree on it inside
-   the next step (an all-reduce MAX the step performs anyway) and act at that step:
-   `stop_now` (leave at once), `stop` (planned change: checkpoint the step, `ReportDone` with
-   `stopped`, leave), `checkpoint_seq` (checkpoint the step when it grew).
+3. After each step: a step report on the step socket (`$ULTRA_STEP_SOCKET`,
+   daemon/node/step_socket.py; `ReportStep` takes the same report over gRPC), without waiting
+   for the reply; all ranks agree on it inside the next step (an all-reduce MAX the step
+   performs anyway) and act at that step: `stop_now` (leave at once), `stop` (planned change:
+   checkpoint the step, `ReportDone` with `stopped`, leave), `checkpoint_seq` (checkpoint the
+   step when it grew).
 4. A failure: `ReportFailure` (kind peer|local), leave the process group, go to 1.
 5. After the last step: `ReportDone`, then go to 1 (the agent answers `exit`).
 """
@@ -122,8 +124,9 @@ class WorkerControlService(pb_grpc.WorkerControlServicer):
             store_prefix=plan.store.prefix, exit=False,
         )
 
-    async def ReportStep(self, request: pb.StepReport,
-                         context: grpc.aio.ServicerContext) -> pb.StepReply:
+    def step_reply(self, request: pb.StepReport) -> pb.StepReply:
+        """Take a step report, and answer it: what the step socket (daemon/node/step_socket.py)
+        and `ReportStep` answer."""
         host, view = self.host, self.host.view
         host.on_step(request)
         d = view.directive
@@ -131,6 +134,10 @@ class WorkerControlService(pb_grpc.WorkerControlServicer):
         return pb.StepReply(stop=mine and d.stop, checkpoint_seq=d.checkpoint_seq if mine else 0,
                             stop_now=view.generation > request.generation
                             or host.worker_should_exit(request.local_rank))
+
+    async def ReportStep(self, request: pb.StepReport,
+                         context: grpc.aio.ServicerContext) -> pb.StepReply:
+        return self.step_reply(request)
 
     async def Heartbeat(self, request: pb.HeartbeatRequest,
                         context: grpc.aio.ServicerContext) -> pb.HeartbeatReply:

@@ -1,13 +1,15 @@
 """A scripted stand-in for the agent's WorkerControl service, to test real workers against.
 
 It hands out a fixed list of generations (one node, `world` local ranks, a TCPStore hosted by
-the test), answers ReportStep with the script's reply and records every request. It decides
-nothing: the tests check what the workers did with the replies.
+the test), answers the step reports on its step socket (as the agent does, framed:
+proto/step_frames.py) with the script's reply and records every request, the step reports as
+"ReportStep". It decides nothing: the tests check what the workers did with the replies.
 """
 
 from __future__ import annotations
 
 import shutil
+import socketserver
 import subprocess
 import sys
 import tempfile
@@ -24,6 +26,7 @@ import torch.distributed as dist
 
 from parallel.job import JobConfig
 from parallel.planner import NodeInfo, plan_generation
+from proto.step_frames import HEADER, frame, payload_length
 from proto.ultrascale.v1 import agent_pb2 as pb
 from proto.ultrascale.v1 import agent_pb2_grpc as pb_grpc
 from tests.conftest import REPO, worker_env
@@ -52,14 +55,19 @@ class FakeAgent(pb_grpc.WorkerControlServicer):
         self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=32))
         pb_grpc.add_WorkerControlServicer_to_server(self, self.server)
         self.server.add_insecure_port(f"unix:{self.socket}")
+        self.step_socket = self.socket.with_name("steps.sock")
+        self.steps = _StepServer(str(self.step_socket), self)
 
     def __enter__(self) -> FakeAgent:
         self.server.start()
+        threading.Thread(target=self.steps.serve_forever, daemon=True).start()
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.release.set()
         self.server.stop(grace=0)
+        self.steps.shutdown()
+        self.steps.server_close()
         shutil.rmtree(self.socket.parent, ignore_errors=True)
 
     def _record(self, name: str, request: object) -> None:
@@ -119,6 +127,30 @@ class FakeAgent(pb_grpc.WorkerControlServicer):
         self.release.wait(seconds)
 
 
+class _StepServer(socketserver.ThreadingUnixStreamServer):
+    """The fake agent's step socket: one thread per worker connection."""
+
+    daemon_threads = True
+
+    def __init__(self, path: str, agent: FakeAgent) -> None:
+        self.agent = agent
+        super().__init__(path, _StepConnection)
+
+
+class _StepConnection(socketserver.StreamRequestHandler):
+    def handle(self) -> None:
+        while True:
+            header = self.rfile.read(HEADER.size)
+            if len(header) < HEADER.size:
+                return  # the worker closed the connection
+            report = pb.StepReport.FromString(self.rfile.read(payload_length(header)))
+            reply = self.server.agent.ReportStep(report, None)  # type: ignore[attr-defined]
+            try:
+                self.wfile.write(frame(reply.SerializeToString()))
+            except OSError:
+                return  # the worker gave up on this reply (its deadline) and closed
+
+
 def run_workers(
     agent: FakeAgent,
     logs: Path,
@@ -132,6 +164,7 @@ def run_workers(
         e.update(
             {
                 "ULTRA_AGENT_SOCKET": str(agent.socket),
+                "ULTRA_STEP_SOCKET": str(agent.step_socket),
                 "ULTRA_LOCAL_RANK": str(rank),
                 "ULTRA_NODE_ID": NODE,
                 "ULTRA_WORKER_THREADS": "1",
