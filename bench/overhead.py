@@ -69,6 +69,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -123,24 +124,17 @@ def _is_standby(pid: int) -> bool:
     return False
 
 
-def training_threads_cpu(pids: list[int]) -> tuple[float, float]:
-    """(main thread, other threads on TRAINING_CPU) CPU seconds so far of the training ranks
-    among `pids`: what runs on the step's core. The snapshot writer (moved off it) is neither."""
-    main = others = 0.0
+def _training_threads(pids: list[int]) -> Iterator[tuple[int, Path, bool]]:
+    """(pid, /proc task dir, on the step's core) of every thread of the training ranks among
+    `pids`; the thread that writes snapshots (trainer.snapshots names it) is off the step's
+    core: that is work the design keeps off the step."""
     for pid in pids:
         if not _is_training(pid):
             continue
         with contextlib.suppress(OSError):
             for task in Path(f"/proc/{pid}/task").iterdir():
                 with contextlib.suppress(OSError):
-                    if (task / "comm").read_text().strip() == SNAPSHOT_WRITER:
-                        continue
-                    seconds = _stat_cpu(task / "stat")
-                    if int(task.name) == pid:
-                        main += seconds
-                    else:
-                        others += seconds
-    return main, others
+                    yield pid, task, (task / "comm").read_text().strip() != SNAPSHOT_WRITER
 
 
 def _is_training(pid: int) -> bool:
@@ -151,20 +145,27 @@ def _is_training(pid: int) -> bool:
     return any(a == "trainer" or a.startswith("trainer.") for a in argv)
 
 
+def training_threads_cpu(pids: list[int]) -> tuple[float, float]:
+    """(main thread, other threads on TRAINING_CPU) CPU seconds so far of the training ranks
+    among `pids`: what runs on the step's core."""
+    main = others = 0.0
+    for pid, task, on_step in _training_threads(pids):
+        with contextlib.suppress(OSError):
+            if on_step and int(task.name) == pid:
+                main += _stat_cpu(task / "stat")
+            elif on_step:
+                others += _stat_cpu(task / "stat")
+    return main, others
+
+
 def pin_training(pids: list[int]) -> None:
     """Move every thread of the training ranks among `pids` to TRAINING_CPU (threads they start
     later inherit it; called again at each sample for threads started from elsewhere), except
-    the thread that writes snapshots off the step (trainer.snapshots names it): that is work
-    the design keeps off the step, and it goes to OTHER_CPUS with the rest of the control
-    path, as on a GPU node, where it runs on a core the step does not use."""
-    for pid in pids:
-        if not _is_training(pid):
-            continue
+    the thread that writes snapshots off the step: it goes to OTHER_CPUS with the rest of the
+    control path, as on a GPU node, where it runs on a core the step does not use."""
+    for _, task, on_step in _training_threads(pids):
         with contextlib.suppress(OSError):
-            for task in Path(f"/proc/{pid}/task").iterdir():
-                with contextlib.suppress(OSError):
-                    off_step = (task / "comm").read_text().strip() == SNAPSHOT_WRITER
-                    os.sched_setaffinity(int(task.name), OTHER_CPUS if off_step else TRAINING_CPU)
+            os.sched_setaffinity(int(task.name), TRAINING_CPU if on_step else OTHER_CPUS)
 
 
 def copy_seconds(nbytes: int, runs: int = 20, cold: bool = False) -> float:
