@@ -16,6 +16,7 @@ and gRPC's event engine's), on the cores the step runs on; the step socket is on
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Sequence
 
 import grpc
@@ -70,7 +71,9 @@ class AgentLink:
         self.stub = pb_grpc.WorkerControlStub(self.channel)
         self.local_rank = local_rank
         self._steps = StepSocket(step_socket)
-        self._pending = False  # a step report is in flight: its reply is still to be read
+        # When the reply to the step report in flight is due (time.monotonic()); None: none is
+        # in flight. The deadline runs from the report's sending, as a call's would.
+        self._reply_due: float | None = None
         self.use(fault or FaultConfig())  # before the first plan the job's are unknown
 
     def use(self, fault: FaultConfig) -> None:
@@ -93,13 +96,14 @@ class AgentLink:
             raise _unreachable(name, exc) from None
 
     def settle(self) -> Agreement:
-        """The requests in the reply to the step report in flight (waiting for it, within its
-        deadline); none when no report is in flight."""
-        pending, self._pending = self._pending, False
-        if not pending:
+        """The requests in the reply to the step report in flight (waiting for it until its
+        deadline, which runs from the report's sending); none when no report is in flight."""
+        due, self._reply_due = self._reply_due, None
+        if due is None:
             return Agreement()
         try:
-            return Agreement.of(self._steps.reply(self.timeout_s))
+            # At least a moment: a zero timeout would make the socket non-blocking.
+            return Agreement.of(self._steps.reply(max(due - time.monotonic(), 1e-3)))
         except OSError as exc:
             raise _step_unreachable(exc) from None
 
@@ -173,11 +177,12 @@ class AgentLink:
         if blocked is not None and blocked.durable is not None:
             report.checkpoint_blocking_seconds = blocked.durable
         self.settle()  # one report in flight at most
+        sent = time.monotonic()
         try:
             self._steps.send(report, self.timeout_s)
         except OSError as exc:
             raise _step_unreachable(exc) from None
-        self._pending = True
+        self._reply_due = sent + self.timeout_s
 
     def report_failure(
         self, gp: pb.GenerationPlan, message: str, kind: str, step: int, failed_at: float

@@ -159,3 +159,22 @@ def test_agent_link_without_a_step_socket_says_which_variable_is_missing() -> No
     with pytest.raises(AgentUnreachable, match="ReportStep failed .*ULTRA_STEP_SOCKET"):
         link.report_step(pb.GenerationPlan(generation=1), _result(1), dp=1)
     link.close()
+
+
+def test_the_reply_deadline_runs_from_the_reports_sending(tmp_path: Path) -> None:
+    """As a call's deadline would: a step that took longer than the deadline finds the reply
+    of a silent agent overdue at once, not a whole deadline later."""
+    path = tmp_path / "silent.sock"
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(str(path))
+    listener.listen()
+    link = AgentLink("/nonexistent/agent.sock", 0, FaultConfig(heartbeat_timeout_s=0.6),
+                     step_socket=str(path))
+    link.report_step(pb.GenerationPlan(generation=1), _result(1), dp=1)
+    time.sleep(0.7)  # the next step, longer than the deadline
+    began = time.monotonic()
+    with pytest.raises(AgentUnreachable, match="DEADLINE_EXCEEDED"):
+        link.settle()
+    assert time.monotonic() - began < 0.3
+    link.close()
+    listener.close()
