@@ -78,10 +78,19 @@ def test_store_on_another_address_is_not_on_loopback() -> None:
 
 
 def _listening_ports() -> set[int]:
-    """Ports with a socket listening on IPv4 TCP on this machine."""
-    return {int(line.split()[1].split(":")[1], 16)
-            for line in Path("/proc/net/tcp").read_text().splitlines()[1:]
-            if line.split()[3] == _LISTEN}
+    """Ports with a socket of this process listening on IPv4 TCP. Only this process's: the
+    tests run in parallel, and another's listeners come and go on this machine meanwhile."""
+    mine = set()
+    for fd in Path("/proc/self/fd").iterdir():
+        try:
+            target = fd.readlink().name
+        except OSError:
+            continue  # closed meanwhile
+        if target.startswith("socket:["):
+            mine.add(target[len("socket:["):-1])
+    return {int(fields[1].split(":")[1], 16)
+            for fields in map(str.split, Path("/proc/net/tcp").read_text().splitlines()[1:])
+            if fields[3] == _LISTEN and fields[9] in mine}
 
 
 def test_a_spare_store_started_ahead_serves_the_next_generation_and_only_it() -> None:
