@@ -306,14 +306,21 @@ def main(argv: list[str] | None = None) -> int:
         format=f"%(asctime)s %(levelname)s ultrad[{config.node_id}] %(name)s: %(message)s")
     # grpc's own debug logs (a traceback per cancelled stream) drown the agent's.
     logging.getLogger("grpc").setLevel(max(logging.INFO, logging.getLogger().level))
-    # `kill -USR1` writes every thread's Python stack to stderr (the agent's log), whatever the
-    # event loop is doing: an agent that does not answer or does not exit shows where it is.
-    faulthandler.register(signal.SIGUSR1, all_threads=True)
+    # `kill -USR1` writes every thread's Python stack to stderr (the agent's log): an agent that
+    # does not answer or does not exit shows where it is. From a Python-level handler (run on
+    # the main thread, woken by asyncio's signal wake-up fd), so every other thread is stopped
+    # at a safe point meanwhile: faulthandler's C-level handler walked their frames while they
+    # ran, and stalled mid-dump on a thread that was importing.
+    signal.signal(signal.SIGUSR1, _dump_stacks)
     try:
         return asyncio.run(run_agent(config))
     except (OSError, RuntimeError) as exc:
         log.error("%s", exc)
         return 1
+
+
+def _dump_stacks(signum: int, frame: object) -> None:
+    faulthandler.dump_traceback(sys.stderr, all_threads=True)
 
 
 if __name__ == "__main__":
