@@ -15,6 +15,10 @@ steps take seconds).
   ultrad      `--nodes` agents on loopback, one worker each, snapshots off
               (`checkpoint.snapshot_every=0`)
   ultrad+snap the same with a snapshot every step (the default), replicated to a buddy node
+  bare-again  the bare loop once more: the same loop twice in one run differs only by the
+              machine's drift, so its ratio to `bare` is the resolution of the other ratios
+              (on this 2-core VM one run's bare loops differ by up to ~10%: a ratio within
+              that spread of 1 is not resolved by a handful of runs)
 
 Step time is the wall time between consecutive committed steps (steps.jsonl `time`), so it
 includes everything between two steps (the step report and agreement, the snapshot), not only
@@ -76,7 +80,8 @@ from pathlib import Path
 from bench.recovery import GLOBAL_BATCH, _descendants, _env, _wait, write_job
 from trainer.thread_names import SNAPSHOT_WRITER
 
-ARMS = ("bare", "ultrad", "ultrad+snap")
+ARMS = ("bare", "ultrad", "ultrad+snap", "bare-again")
+BARE_ARMS = ("bare", "bare-again")  # the plain torchrun loop
 WARMUP = 5
 COUNTER = Path(__file__).resolve().parent / "collectives"
 TRAINING_CPU, OTHER_CPUS = {0}, {1}
@@ -481,7 +486,7 @@ def table(root: Path, job: Path, arms: list[str], runs: int, steps: int, ranks: 
             work = root / f"{'pinned' if pin else 'free'}-{arm}-{run}"
             work.mkdir()
             started = time.monotonic()
-            if arm == "bare":
+            if arm in BARE_ARMS:
                 r = run_bare(work, job, steps, ranks, pin)
             else:
                 r = run_ultrad(work, job, steps, ranks, arm == "ultrad+snap", pin)
@@ -519,6 +524,12 @@ def table(root: Path, job: Path, arms: list[str], runs: int, steps: int, ranks: 
                 ratios = [a / b for a, b in zip(medians[arm], medians["bare"], strict=True)]
                 print(f"{arm:<12} median {statistics.median(ratios):.3f}x  "
                       f"({', '.join(f'{r:.3f}' for r in ratios)})")
+        if "bare-again" in medians:
+            same = [a / b for a, b in zip(medians["bare-again"], medians["bare"], strict=True)]
+            print(f"resolution: the same bare loop twice in a run, {min(same):.3f}x to "
+                  f"{max(same):.3f}x (median |ratio - 1| "
+                  f"{statistics.median(abs(r - 1) for r in same):.3f}): an arm's ratio closer "
+                  f"to 1 than that is within the machine's drift, not measured")
     if pin:
         print(f"\nCPU per step on the step's core (CPU {min(TRAINING_CPU)}), from /proc: the "
               f"rank's main thread, and its other threads (gloo's, gRPC's, the heartbeat; "
