@@ -79,7 +79,8 @@ class CheckpointManager:
         self.log = log
         self.rank = dist.get_rank()
         # new_group would otherwise use torch's 30-minute default, not the default group's.
-        self.group = dist.new_group(backend="gloo", timeout=timeout)
+        self._timeout = timeout
+        self._group: dist.ProcessGroup | None = None
         self._pending: Future | None = None
         self._committed = threading.Event()
         self._committed.set()
@@ -91,6 +92,13 @@ class CheckpointManager:
         # The storage objects of the last save and load, for tests and benchmarks to inspect.
         self.last_writer: ChecksummingWriter | None = None
         self.last_reader: VerifyingReader | None = None
+
+    @property
+    def group(self) -> dist.ProcessGroup:
+        """Made at first use (a collective: every use is one, on every rank alike)."""
+        if self._group is None:
+            self._group = dist.new_group(backend="gloo", timeout=self._timeout)
+        return self._group
 
     def save_async(self, state: TrainState) -> None:
         """Stage the state to host memory now and write it in the background."""

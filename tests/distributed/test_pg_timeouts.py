@@ -127,3 +127,48 @@ def test_flattened_data_parallel_group_gets_the_timeout(tmp_path: Path):
     for rank in range(4):
         result = json.loads((tmp_path / f"rank{rank}.json").read_text())
         assert result == {"size": 4, "timeout": SUB_TIMEOUT_S}, (rank, result)
+
+
+@pytest.fixture
+def world_of_one():
+    """A one-rank gloo world in this process, with a 7 s timeout."""
+    timeout = timedelta(seconds=7)
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1,
+                            timeout=timeout)
+    try:
+        yield timeout
+    finally:
+        dist.destroy_process_group()
+
+
+def _groups() -> int:
+    return len(dist.distributed_c10d._world.pg_map)
+
+
+def test_a_dim_over_the_whole_world_is_the_default_group_only_with_its_timeout(
+        world_of_one, tmp_path) -> None:
+    from parallel.layout import Layout
+    from parallel.mesh import build_mesh
+
+    before = _groups()
+    mesh = build_mesh(Layout(), "cpu", world_of_one)  # every dim of size 1: the whole world
+    assert _groups() == before
+    assert all(mesh[d].get_group() == dist.group.WORLD for d in ("pp", "dp", "cp", "tp"))
+    other = timedelta(seconds=3)
+    mesh = build_mesh(Layout(), "cpu", other)
+    assert _groups() == before + 4
+    cpu = torch.device("cpu")
+    for d in ("pp", "dp", "cp", "tp"):
+        assert mesh[d].get_group() != dist.group.WORLD
+        assert mesh[d].get_group()._get_backend(cpu).options._timeout == other
+
+
+def test_the_checkpoint_group_is_made_at_its_first_use(world_of_one, tmp_path) -> None:
+    from checkpoint.durable import CheckpointManager
+
+    before = _groups()
+    ckpt = CheckpointManager(tmp_path / "ckpt", 1, layout={}, timeout=world_of_one)
+    assert _groups() == before  # not on a generation's start
+    group = ckpt.group
+    assert _groups() == before + 1 and ckpt.group is group
+    assert group._get_backend(torch.device("cpu")).options._timeout == world_of_one
