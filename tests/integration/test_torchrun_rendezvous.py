@@ -81,8 +81,9 @@ def test_a_node_dies_and_rejoins_and_the_job_finishes(job: list[TorchrunJob], tm
     run = TorchrunJob(tmp_path, etcd.endpoint, nnodes="2")
     job.append(run)
     survivor, victim = run.start("a"), run.start("b")
-    # Past the first durable checkpoint, so the restarted workers resume rather than start over.
-    run.wait_for_step(CHECKPOINT_EVERY + 1, timeout=240)
+    # Past the first durable checkpoint's commit, so the restarted workers resume rather than
+    # start over (a kill while it is still being written leaves no checkpoint to resume).
+    run.wait_for_checkpoint(CHECKPOINT_EVERY, timeout=240)
     victim.kill()
     returned = run.start("b-again")
 

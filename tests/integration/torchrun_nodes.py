@@ -9,12 +9,14 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from importlib.metadata import entry_points
 from pathlib import Path
 
 import pytest
 
+from checkpoint.manifest_format import MANIFEST_NAME
 from tests.conftest import REPO, worker_env
 from tests.processes import Held, descendants
 
@@ -104,12 +106,18 @@ class TorchrunJob:
                         records[rec["step"]] = rec
         return records
 
-    def wait_for_step(self, step: int, timeout: float) -> None:
+    def wait_for_checkpoint(self, step: int, timeout: float) -> None:
+        """Until the durable checkpoint of `step` is committed: its manifest, written last (a
+        later step's line does not say so: the save is asynchronous)."""
+        manifest = self.root / "checkpoints" / f"step_{step:08d}" / MANIFEST_NAME
+        self._wait(manifest.exists, f"the checkpoint of step {step}", timeout)
+
+    def _wait(self, done: Callable[[], bool], what: str, timeout: float) -> None:
         deadline = time.monotonic() + timeout
-        while step not in self.steps():
+        while not done():
             dead = [n for n in self.nodes if n.proc.poll() is not None]
             assert not dead, f"{dead[0].name} exited early:\n{dead[0].log}"
-            assert time.monotonic() < deadline, f"no step {step} in {timeout}s:\n" + "\n".join(
+            assert time.monotonic() < deadline, f"no {what} in {timeout}s:\n" + "\n".join(
                 f"== {n.name}\n{n.log}" for n in self.nodes)
             time.sleep(0.2)
 
