@@ -9,13 +9,13 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from importlib.metadata import entry_points
 from pathlib import Path
 
 import pytest
 
+from checkpoint.manifest import checkpoint_dir
 from checkpoint.manifest_format import MANIFEST_NAME
 from tests.conftest import REPO, worker_env
 from tests.processes import Held, descendants
@@ -109,16 +109,14 @@ class TorchrunJob:
     def wait_for_checkpoint(self, step: int, timeout: float) -> None:
         """Until the durable checkpoint of `step` is committed: its manifest, written last (a
         later step's line does not say so: the save is asynchronous)."""
-        manifest = self.root / "checkpoints" / f"step_{step:08d}" / MANIFEST_NAME
-        self._wait(manifest.exists, f"the checkpoint of step {step}", timeout)
-
-    def _wait(self, done: Callable[[], bool], what: str, timeout: float) -> None:
+        manifest = checkpoint_dir(self.root / "checkpoints", step) / MANIFEST_NAME
         deadline = time.monotonic() + timeout
-        while not done():
+        while not manifest.exists():
             dead = [n for n in self.nodes if n.proc.poll() is not None]
             assert not dead, f"{dead[0].name} exited early:\n{dead[0].log}"
-            assert time.monotonic() < deadline, f"no {what} in {timeout}s:\n" + "\n".join(
-                f"== {n.name}\n{n.log}" for n in self.nodes)
+            assert time.monotonic() < deadline, (
+                f"no checkpoint of step {step} in {timeout}s:\n"
+                + "\n".join(f"== {n.name}\n{n.log}" for n in self.nodes))
             time.sleep(0.2)
 
     def wait(self, node: TorchrunNode, timeout: float) -> int:
