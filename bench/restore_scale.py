@@ -10,22 +10,29 @@ Two tables, medians over `--runs`:
    torch's `init_device_mesh` with the same timeouts, which is what `build_mesh` called before.
    Rank 0's time after a barrier, after one untimed round of both. Every generation's start
    pays it.
-2. **A snapshot's DCP metadata on every restoring rank**, simulated in one process for a model
-   of the shape of a 1B Llama (16 layers, hidden 2048, ffn 8192, vocab 32000: 147 tensors, 441
+2. **A snapshot's metadata on every restoring rank**, simulated in one process for a model of
+   the shape of a 1B Llama (16 layers, hidden 2048, ffn 8192, vocab 32000: 147 tensors, 441
    with AdamW's two moments) saved by W FSDP ranks (one chunk of each tensor per rank, the
-   items laid out as the snapshot writer lays them out) and restored on W - 1: unpickling
-   `.metadata` through the allow-list (checkpoint/safe_unpickle.py), checking its storage items
-   (checkpoint/snapshot_reader.py), and DCP's plan of one rank's reads
-   (`create_read_items_for_chunk_list`, what the load planner calls per tensor). No tensor is
-   trained or moved: these are the costs that grow with W whatever the model's size.
-
-What the second table shows is not fixed yet: see docs/snapshots.md, "What a restore costs as
-the world grows".
+   items laid out as the snapshot writer lays them out) and restored on W - 1, in two forms:
+   - DCP's pickled `Metadata`, what a snapshot's `.metadata` was until the index replaced it:
+     unpickling it through the allow-list it went through (checkpoint/safe_unpickle.py's, with
+     `SnapshotItem`, which that list no longer needs), checking its storage
+     items, and DCP's plan of one rank's reads over every saved chunk
+     (`create_read_items_for_chunk_list`, what the load planner calls per tensor);
+   - the index a snapshot's `.metadata` is now (checkpoint/snapshot_index.py): parsing and
+     checking it (`SnapshotIndex.parse`, `check_files`), picking the saved chunks that overlap
+     the rank's own (`skeleton`, `narrow`), and DCP's plan over those alone.
+   Both plans must read exactly the rank's elements. The "write" columns are the coordinator's
+   work at a generation's first snapshot (pickling and checking the pickle before; building,
+   serialising and parsing the index now). No tensor is trained or moved: these are the costs
+   that grow with W whatever the model's size.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
+import io
 import json
 import math
 import pickle
@@ -35,6 +42,7 @@ import time
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
+from types import MappingProxyType
 
 import torch
 import torch.distributed as dist
@@ -48,11 +56,28 @@ from torch.distributed.checkpoint.metadata import (
 )
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
-from checkpoint.safe_unpickle import load_metadata
+from checkpoint.safe_unpickle import _METADATA_GLOBALS, _MetadataUnpickler
 from checkpoint.snapshot_format import SnapshotItem
-from checkpoint.snapshot_reader import _is_item
+from checkpoint.snapshot_index import SnapshotIndex
 
 TIMEOUT = timedelta(seconds=60)  # the job's, as every generation's default group has it
+
+
+
+class _SnapshotMetadataUnpickler(_MetadataUnpickler):
+    """The allow-list a snapshot's `.metadata` went through while it was DCP's pickle: DCP's
+    classes and `SnapshotItem`, which checkpoint/safe_unpickle.py no longer allows."""
+
+    allowed = MappingProxyType({**_METADATA_GLOBALS,
+                                (SnapshotItem.__module__, SnapshotItem.__qualname__): SnapshotItem})
+
+
+def load_metadata(blob: bytes) -> Metadata:
+    metadata = _SnapshotMetadataUnpickler(io.BytesIO(blob)).load()
+    if not isinstance(metadata, Metadata):
+        raise AssertionError("the simulated metadata did not come back")
+    return metadata
+
 
 # (rows, cols) of a 1B Llama's parameters; optimizer moments have the same shapes.
 HIDDEN, FFN, VOCAB, LAYERS, KV = 2048, 8192, 32000, 16, 512
@@ -142,40 +167,95 @@ def saved_metadata(world: int, shapes: list[tuple[int, ...]]) -> Metadata:
 
 
 @dataclass(frozen=True)
-class MetadataCosts:
+class Plan:
+    """One restoring rank's plan: what it reads."""
+
+    read_items: int
+    read_elements: int  # elements the plan reads, all tensors together
+
+
+@dataclass(frozen=True)
+class PickleCosts:
+    """DCP's pickled `Metadata`, as a snapshot's `.metadata` was."""
+
     size_bytes: int
+    write_s: float  # pickle it and check that the allow-list takes it
     unpickle_s: float
     check_s: float
     plan_s: float
-    read_items: int
-    read_elements: int  # elements the plan reads, all tensors together
-    local_elements: int  # elements of this rank's chunks: the plan must read exactly these
+    plan: Plan
 
 
-def metadata_costs(world: int, shapes: list[tuple[int, ...]] | None = None) -> MetadataCosts:
-    """One restoring rank's work on the metadata of `world` ranks, restored on `world - 1`."""
-    shapes = shapes or PARAMETERS * 3
-    blob = pickle.dumps(saved_metadata(world, shapes))
-    started = time.perf_counter()
-    metadata = load_metadata(blob)
-    unpickled = time.perf_counter()
-    if not all(_is_item(v) for v in (metadata.storage_data or {}).values()):
-        raise AssertionError("the simulated storage items do not check")
-    checked = time.perf_counter()
+@dataclass(frozen=True)
+class IndexCosts:
+    """The index a snapshot's `.metadata` is now."""
+
+    size_bytes: int
+    write_s: float  # build it from DCP's Metadata, serialise it and parse it back
+    parse_s: float  # parse and check it, and check its items against the files' sizes
+    narrow_s: float  # the skeleton and each tensor's overlapping chunks
+    plan_s: float
+    plan: Plan
+
+
+def _local(world: int, shapes: list[tuple[int, ...]]) -> list[ChunkStorageMetadata]:
+    """The chunks a middle rank of `world - 1` restores of each tensor."""
     new = max(1, world - 1)
-    rank = new // 2
-    local = [_chunk(shape, new, rank) for shape in shapes]
-    planned_at = time.perf_counter()
+    return [_chunk(shape, new, new // 2) for shape in shapes]
+
+
+def _plan(metadata: Metadata, local: list[ChunkStorageMetadata]) -> Plan:
     reads = [create_read_items_for_chunk_list(f"state.t{i}",
                                               metadata.state_dict_metadata[f"state.t{i}"],
                                               [chunk])
              for i, chunk in enumerate(local)]
-    planned = time.perf_counter()
-    return MetadataCosts(
-        size_bytes=len(blob), unpickle_s=unpickled - started, check_s=checked - unpickled,
-        plan_s=planned - planned_at, read_items=sum(len(r) for r in reads),
-        read_elements=sum(math.prod(item.lengths) for r in reads for item in r),
-        local_elements=sum(math.prod(c.sizes) for c in local))
+    return Plan(sum(len(r) for r in reads),
+                sum(math.prod(item.lengths) for r in reads for item in r))
+
+
+def pickle_costs(world: int, shapes: list[tuple[int, ...]] | None = None) -> PickleCosts:
+    """One restoring rank's work on DCP's pickled metadata of `world` ranks, on `world - 1`."""
+    shapes = shapes or PARAMETERS * 3
+    saved = saved_metadata(world, shapes)
+    gc.collect()  # the simulation's own garbage, not the costs measured
+    started = time.perf_counter()
+    blob = pickle.dumps(saved)
+    load_metadata(blob)
+    written = time.perf_counter()
+    metadata = load_metadata(blob)
+    unpickled = time.perf_counter()
+    if not all(isinstance(v, SnapshotItem) and isinstance(v.file, str)
+               and all(isinstance(n, int) and n >= 0 for n in (v.offset, v.length))
+               for v in (metadata.storage_data or {}).values()):
+        raise AssertionError("the simulated storage items do not check")
+    checked = time.perf_counter()
+    plan = _plan(metadata, _local(world, shapes))
+    return PickleCosts(len(blob), written - started, unpickled - written, checked - unpickled,
+                       time.perf_counter() - checked, plan)
+
+
+def index_costs(world: int, shapes: list[tuple[int, ...]] | None = None) -> IndexCosts:
+    """The same with the index a snapshot's `.metadata` is now."""
+    shapes = shapes or PARAMETERS * 3
+    saved = saved_metadata(world, shapes)
+    gc.collect()  # the simulation's own garbage, not the costs measured
+    started = time.perf_counter()
+    blob = SnapshotIndex.of_metadata(saved).to_bytes()
+    SnapshotIndex.parse(blob, "bench")
+    written = time.perf_counter()
+    index = SnapshotIndex.parse(blob, "bench")
+    index.check_files({name: 1 << 40 for name in index.files}, "bench")
+    parsed = time.perf_counter()
+    metadata = index.skeleton()
+    for i, chunk in enumerate(_local(world, shapes)):
+        fqn = f"state.t{i}"
+        picked = index.narrow(fqn, [chunk])
+        metadata.state_dict_metadata[fqn].chunks = [c for c, _, _ in picked]
+        metadata.storage_data.update((key, item) for _, key, item in picked)
+    narrowed = time.perf_counter()
+    plan = _plan(metadata, _local(world, shapes))
+    return IndexCosts(len(blob), written - started, parsed - written, narrowed - parsed,
+                      time.perf_counter() - narrowed, plan)
 
 
 # --- the tables -------------------------------------------------------------------------------
@@ -211,22 +291,30 @@ def main(argv: list[str] | None = None) -> int:
 
     rows = []
     for world in worlds:
-        runs = [metadata_costs(world) for _ in range(a.runs)]
-        c = runs[0]
-        if c.read_elements != c.local_elements:
-            raise AssertionError(f"the plan reads {c.read_elements} elements for "
-                                 f"{c.local_elements}")
+        before = [pickle_costs(world) for _ in range(a.runs)]
+        now = [index_costs(world) for _ in range(a.runs)]
+        local = sum(math.prod(c.sizes) for c in _local(world, PARAMETERS * 3))
+        for plan in (before[0].plan, now[0].plan):
+            if plan.read_elements != local:
+                raise AssertionError(f"a plan reads {plan.read_elements} elements for {local}")
+        if before[0].plan != now[0].plan:
+            raise AssertionError(f"the index's plan {now[0].plan} is not DCP's {before[0].plan}")
 
-        def ms(field: str, runs: list[MetadataCosts] = runs) -> str:
+        def ms(runs: list, field: str) -> str:
             return f"{1e3 * statistics.median(getattr(r, field) for r in runs):.0f}"
 
-        rows.append([f"{world} -> {max(1, world - 1)}", f"{c.size_bytes / 1e6:.1f}",
-                     ms("unpickle_s"), ms("check_s"), ms("plan_s"), str(c.read_items)])
+        rows.append([f"{world} -> {max(1, world - 1)}", f"{before[0].size_bytes / 1e6:.1f}",
+                     ms(before, "write_s"), ms(before, "unpickle_s"), ms(before, "check_s"),
+                     ms(before, "plan_s"), f"{now[0].size_bytes / 1e6:.1f}",
+                     ms(now, "write_s"), ms(now, "parse_s"), ms(now, "narrow_s"),
+                     ms(now, "plan_s"), str(now[0].plan.read_items)])
     if rows:
         print(f"\na snapshot's .metadata on one restoring rank, a 1B Llama's {len(PARAMETERS)} "
-              f"parameters and 2 AdamW moments, FSDP; ms (median of {a.runs})")
-        print(_table(["ranks saved -> restored", "MB", "unpickle", "check items",
-                      "DCP plan", "read items"], rows))
+              f"parameters and 2 AdamW moments, FSDP; ms (median of {a.runs}): DCP's pickle "
+              "(before) and the index (now)")
+        print(_table(["ranks saved -> restored", "pickle MB", "write", "unpickle", "check items",
+                      "DCP plan", "index MB", "write", "parse", "narrow", "DCP plan",
+                      "read items"], rows))
     return 0
 
 

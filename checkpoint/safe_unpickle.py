@@ -8,10 +8,10 @@ honest: a peer that forges a snapshot, or anyone who can write a checkpoint dire
 the checksums too. So nothing read back from a checkpoint, a snapshot or a peer is unpickled
 with pickle's default lookup:
 
-- DCP's `.metadata` (snapshots and durable checkpoints alike) goes through `load_metadata`: an
-  unpickler whose `find_class` resolves only the classes DCP's `Metadata` is built from, our
-  `SnapshotItem`, torch.Size, dtypes, layouts and paths (the "Restricting Globals" recipe of
-  Python's pickle documentation);
+- a durable checkpoint's `.metadata` (DCP's) goes through `load_metadata`: an unpickler whose
+  `find_class` resolves only the classes DCP's `Metadata` is built from, torch.Size, dtypes,
+  layouts and paths (the "Restricting Globals" recipe of Python's pickle documentation); a
+  snapshot's `.metadata` is no pickle (checkpoint/snapshot_index.py);
 - a snapshot's byte items (progress, optimizer hyper-parameters: plain values, pickled by
   checkpoint/snapshot_writer.py) go through `load_value`, which resolves even less: builtin
   scalars and containers, torch.Size and dtypes;
@@ -43,7 +43,6 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import STATE_DICT_TYPE, Metadata
 from torch.distributed.checkpoint.planner import ReadItem
 
-from checkpoint.snapshot_format import SnapshotItem
 from checkpoint.state import present_as_saved
 
 
@@ -81,7 +80,7 @@ def _enum_member(cls: Any, name: Any) -> Any:
 
 
 # DCP's Metadata: the dataclasses it is made of, the storage records of DCP's file system
-# writer and of our snapshot writer, and what their fields hold.
+# writer, and what their fields hold.
 _METADATA_GLOBALS: Mapping[tuple[str, str], Any] = MappingProxyType({
     **_VALUE_GLOBALS,
     **_globals(
@@ -94,7 +93,6 @@ _METADATA_GLOBALS: Mapping[tuple[str, str], Any] = MappingProxyType({
         dcp_metadata.TensorProperties,
         dcp_metadata._MEM_FORMAT_ENCODING,  # noqa: SLF001 - how TensorProperties pickles a memory format
         dcp_filesystem._StorageInfo,  # noqa: SLF001 - the durable writer's record of one item
-        SnapshotItem,
         pathlib.PosixPath,  # StorageMeta.checkpoint_id: the directory DCP wrote to
         pathlib.PurePosixPath,
     ),

@@ -8,9 +8,14 @@ needs for its new layout, so resharding to any world size is DCP's, not ours.
 Nothing is loaded unless everything verifies: every rank fetches and verifies all it needs in
 `prepare_local_plan`, then the ranks agree (one all-reduce) before any of them writes a tensor,
 so a bad chunk on any rank fails every rank with the state untouched. Verifying includes what a
-checksum cannot vouch for: `.metadata` and every byte item are unpickled by an allow-list
+checksum cannot vouch for: `.metadata`, an index rather than a pickle, is parsed with every field
+checked (checkpoint/snapshot_index.py), every byte item is unpickled by an allow-list
 (checkpoint/safe_unpickle.py), and each tensor's dtype, shape and length must agree, so a forged
 snapshot whose checksums match is refused like a corrupt one and nothing in it runs.
+
+DCP's planner never sees the whole index: `SnapshotLoadPlanner` gives it, for each tensor, only
+the saved chunks that overlap what this rank loads (`SnapshotReader.narrow`), so a rank's plan
+costs what its own shard needs, not the saving world's size.
 
 DCP runs with `no_dist`: a load plan is local to its rank anyway (a rank reads what its own
 shards need), and DCP's own coordination, gathering every rank's plan to rank 0, scattering
@@ -38,12 +43,13 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed._shard._utils import narrow_tensor_by_index
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner
+from torch.distributed.checkpoint.planner_helpers import _create_chunk_list
 from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
-from checkpoint.safe_unpickle import SafeLoadPlanner, UnsafePickle, load_metadata, load_value
+from checkpoint.safe_unpickle import SafeLoadPlanner, UnsafePickle, load_value
 from checkpoint.snapshot_format import (
     MANIFEST_NAME,
     METADATA_NAME,
@@ -58,6 +64,7 @@ from checkpoint.snapshot_format import (
     unslot,
     verify_span,
 )
+from checkpoint.snapshot_index import DTYPES, SnapshotIndex
 from checkpoint.snapshot_store import SnapshotStore
 from checkpoint.state import TrainState
 
@@ -77,8 +84,6 @@ Fetch = Callable[[Sequence[Range]], list[bytes]]
 # agree(this rank's failure, "" for none): every failing rank's reason, joined ("" for none).
 # A collective: every rank calls it the same number of times.
 Agree = Callable[[str], str]
-_DTYPES = {str(d).removeprefix("torch."): d for d in vars(torch).values()
-           if isinstance(d, torch.dtype)}
 
 
 def agreement(group: dist.ProcessGroup | None = None) -> Agree:
@@ -117,6 +122,7 @@ class SnapshotReader(StorageReader):
         self._values: dict[MetadataIndex, Any] = {}  # byte items, unpickled safely
         self._records: dict[str, FileEntry] = {}
         self.failure: SnapshotInvalid | None = None
+        self.index: SnapshotIndex | None = None  # `.metadata`, once read
         # What the agreement returned (None: not reached): "" none failed, else every reason.
         self.agreed: str | None = None
 
@@ -200,16 +206,26 @@ class SnapshotReader(StorageReader):
             raise SnapshotInvalid(f"{where}: field 'step' is {self.manifest.step}, not {self.step}")
         entry = self.manifest.file(METADATA_NAME)
         blob = self._get(METADATA_NAME, 0, entry.size)
-        try:
-            # Checksums say these are the bytes the manifest lists, not that its writer was
-            # honest: only DCP's own classes may come out of it.
-            metadata = load_metadata(blob)
-        except UnsafePickle as exc:
-            raise SnapshotInvalid(f"{self._where(METADATA_NAME)}: {exc}") from None
-        if not all(_is_item(v) for v in (metadata.storage_data or {}).values()):
-            raise SnapshotInvalid(f"snapshot step {self.step}: file {METADATA_NAME}: its storage "
-                                  "data is not a snapshot's")
-        return metadata
+        # Checksums say these are the bytes the manifest lists, not that its writer was honest:
+        # every field is checked, and nothing in it is unpickled.
+        where = self._where(METADATA_NAME)
+        self.index = SnapshotIndex.parse(blob, where)
+        self.index.check_files({f.path: f.size for f in self.manifest.files}, where)
+        return self.index.skeleton()
+
+    def narrow(self, metadata: Metadata, state_dict: dict[str, Any]) -> None:
+        """Give `metadata` (the skeleton `read_metadata` returned) the saved chunks that
+        overlap what this rank loads of each tensor of `state_dict` (flattened), and this
+        reader their storage records: DCP's planner then looks at those alone."""
+        if self.index is None:
+            return
+        for fqn, obj in state_dict.items():
+            md = metadata.state_dict_metadata.get(fqn)
+            if not isinstance(md, TensorStorageMetadata) or not isinstance(obj, torch.Tensor):
+                continue  # DCP's planner says what is wrong with it
+            picked = self.index.narrow(fqn, _create_chunk_list(obj))
+            md.chunks = [chunk for chunk, _, _ in picked]
+            self.storage_data.update((index, item) for _, index, item in picked)
 
     def set_up_storage_reader(
         self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any
@@ -274,7 +290,7 @@ class SnapshotReader(StorageReader):
     def _check_tensor(self, item: SnapshotItem, index: MetadataIndex) -> None:
         """A tensor item's dtype, shape and length agree (else the reader would fail halfway
         through writing the state, or build a tensor from the wrong bytes)."""
-        dtype = _DTYPES.get(item.dtype) if isinstance(item.dtype, str) else None
+        dtype = DTYPES.get(item.dtype) if isinstance(item.dtype, str) else None
         shape = item.shape
         if dtype is None or not isinstance(shape, tuple) or not all(
                 isinstance(n, int) and n >= 0 for n in shape) or \
@@ -307,7 +323,7 @@ class SnapshotReader(StorageReader):
                     planner.load_bytes(read_item, buffer)
                 continue
             self._check_tensor(item, read_item.storage_index)
-            dtype = _DTYPES[item.dtype]
+            dtype = DTYPES[item.dtype]
             tensor = torch.frombuffer(bytearray(data), dtype=dtype).view(item.shape) if data else (
                 torch.empty(item.shape, dtype=dtype)
             )
@@ -346,18 +362,12 @@ class SnapshotLoadPlanner(SafeLoadPlanner):
             return super().create_local_plan()
         if self.reader.failure is None:
             try:
+                self.reader.narrow(self.metadata, self.state_dict)
                 return super().create_local_plan()
             except (RuntimeError, KeyError, ValueError) as exc:
                 self.reader.failure = SnapshotInvalid(
                     f"snapshot step {self.reader.step} does not fit the state: {exc}"[:1000])
         return LoadPlan([])
-
-
-def _is_item(value: Any) -> bool:
-    """Whether `value` is a SnapshotItem whose file and byte range are of the right types."""
-    return isinstance(value, SnapshotItem) and isinstance(value.file, str) and all(
-        isinstance(n, int) and not isinstance(n, bool) and n >= 0
-        for n in (value.offset, value.length))
 
 
 def _merge(ranges: Any) -> list[tuple[int, int]]:

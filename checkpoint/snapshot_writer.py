@@ -6,12 +6,14 @@ checksums all on the step); every later one is a rewrite of the same layout, of 
 copy into a host buffer holds the step (`stage_rewrite`, checkpoint/snapshot_staging.py). The
 files outlive the worker: the node's agent, not the worker, frees them.
 
-The coordinator writes DCP's `.metadata` and then the manifest, last: a snapshot whose writer
-died at any earlier point has no manifest and is never complete.
+The coordinator writes `.metadata` (not DCP's pickle: an index of where every item lives,
+checkpoint/snapshot_index.py) and then the manifest, last: a snapshot whose writer died at any
+earlier point has no manifest and is never complete.
 
-A restore unpickles `.metadata` and the byte items by an allow-list (checkpoint/safe_unpickle.py).
-A full save checks that what it wrote passes it, so a state holding anything else fails its
-snapshot loudly here rather than every restore of it later.
+A restore parses `.metadata` without unpickling anything and unpickles the byte items by an
+allow-list (checkpoint/safe_unpickle.py). A full save checks that what it wrote passes both,
+so a state holding anything else fails its snapshot loudly here rather than every restore of
+it later.
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ from torch.distributed.tensor import DTensor
 from torch.futures import Future
 
 from checkpoint import snapshot_fastpath as fastpath
-from checkpoint.safe_unpickle import UnsafePickle, load_metadata, load_value
+from checkpoint.safe_unpickle import UnsafePickle, load_value
 from checkpoint.snapshot_format import (
     CHUNK_BYTES,
     MANIFEST_NAME,
@@ -55,6 +57,7 @@ from checkpoint.snapshot_format import (
     step_dir,
     write_atomically,
 )
+from checkpoint.snapshot_index import SnapshotIndex
 from checkpoint.snapshot_staging import HostStaging, StagedShard
 from checkpoint.state import TrainState
 
@@ -271,10 +274,12 @@ class SnapshotWriter(StorageWriter):
                 else:
                     storage[result.index] = result.storage_data
         metadata.storage_data = storage
-        blob = pickle.dumps(metadata)
+        # Not DCP's pickle: an index a restoring rank reads without an object per saved chunk
+        # (checkpoint/snapshot_index.py).
         try:
-            load_metadata(blob)
-        except UnsafePickle as exc:
+            blob = SnapshotIndex.of_metadata(metadata).to_bytes()
+            SnapshotIndex.parse(blob, METADATA_NAME)
+        except ValueError as exc:  # SnapshotInvalid among them
             raise ValueError(f"snapshot step {self.step}: {METADATA_NAME} would not restore: "
                              f"{exc}") from None
         # Shard checksums stay in each rank's record: a later snapshot of the generation, which

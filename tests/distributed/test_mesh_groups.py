@@ -60,7 +60,7 @@ def _rank(rank: int, ports: dict[str, int], out: str) -> None:
         return helper(*args, **kwargs)
 
     result: dict[str, dict] = {}
-    for name, (fields, dims, shape, flat) in CASES.items():
+    for name, (fields, dims, _, _) in CASES.items():
         store = dist.TCPStore("127.0.0.1", ports[name], WORLD, is_master=rank == 0,
                               timeout=TIMEOUT)
         dist.init_process_group("gloo", store=store, rank=rank, world_size=WORLD,

@@ -1,8 +1,9 @@
 """In-memory snapshots: 4 FSDP2 (ZeRO-3) ranks snapshot into /dev/shm; 4, 3 and 2 ranks restore
 through the byte-range reader, resharded by DCP, to exactly the saved state. Damaged snapshots
 (bit flip, truncation, missing shard, a corrupted transfer) fail every rank and load nothing, and
-so do forged ones whose checksums match but whose `.metadata` or byte item is a pickle that would
-run code: that code never runs.
+so do forged ones whose checksums match: a `.metadata` that is a pickle which would run code (DCP's
+form; a snapshot's is an index, never unpickled), an index whose chunk points past its file, a
+byte item that is such a pickle. That code never runs.
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ from checkpoint.snapshot_format import (
     slot,
     step_dir,
 )
+from checkpoint.snapshot_index import SnapshotIndex
 from checkpoint.snapshot_reader import load_snapshot, local_fetch
 from checkpoint.snapshot_store import SnapshotStore
 from checkpoint.snapshot_writer import rewrite_snapshot, save_snapshot
@@ -233,21 +235,16 @@ def _hostile(d: Path) -> bytes:
 
 
 def _forge_metadata(d: Path) -> None:
-    """`.metadata` becomes a hostile pickle, and the manifest vouches for it."""
-    blob = _hostile(d)
-    (d / METADATA_NAME).write_bytes(blob)
-    manifest = SnapshotManifest.parse((d / MANIFEST_NAME).read_bytes(), "test")
-    files = tuple(dataclasses.replace(f, size=len(blob), chunks=chunk_checksums(blob))
-                  if f.path == METADATA_NAME else f for f in manifest.files)
-    (d / MANIFEST_NAME).write_bytes(dataclasses.replace(manifest, files=files).to_bytes())
+    """`.metadata` becomes a hostile pickle (what DCP's `.metadata` is), and the manifest vouches
+    for it."""
+    _vouch_for_metadata(d, _hostile(d))
 
 
 def _forge_byte_item(d: Path) -> None:
     """The progress byte item, which every rank loads, becomes a hostile pickle in its slot, and
     its rank's record vouches for the shard."""
-    # The genuine `.metadata` this module's own save wrote: trusted here.
-    metadata = pickle.loads((d / METADATA_NAME).read_bytes())
-    (item,) = [v for k, v in metadata.storage_data.items() if k.fqn == "state.progress.step"]
+    index = SnapshotIndex.parse((d / METADATA_NAME).read_bytes(), "test")
+    item = index.byte_items["state.progress.step"]
     shard = bytearray((d / item.file).read_bytes())
     shard[item.offset:item.offset + item.length] = slot(_hostile(d), item.length)
     (d / item.file).write_bytes(bytes(shard))
@@ -255,6 +252,26 @@ def _forge_byte_item(d: Path) -> None:
     assert rank is not None
     entry = FileEntry(item.file, rank, len(shard), chunk_checksums(bytes(shard)))
     (d / record_name(rank)).write_text(json.dumps({"step": STEP, **entry.to_json()}))
+
+
+def _forge_index(d: Path) -> None:
+    """`.metadata` is a well-formed index, and the manifest vouches for it, but one chunk of a
+    tensor every rank loads claims bytes past the end of its shard."""
+    index = SnapshotIndex.parse((d / METADATA_NAME).read_bytes(), "test")
+    name = next(fqn for fqn, t in index.tensors.items() if len(t.rows))
+    tensors = dict(index.tensors)
+    rows = tensors[name].rows.copy()
+    rows[0, -2] = (d / index.files[rows[0, -3]]).stat().st_size
+    tensors[name] = dataclasses.replace(tensors[name], rows=rows)
+    _vouch_for_metadata(d, dataclasses.replace(index, tensors=tensors).to_bytes())
+
+
+def _vouch_for_metadata(d: Path, blob: bytes) -> None:
+    (d / METADATA_NAME).write_bytes(blob)
+    manifest = SnapshotManifest.parse((d / MANIFEST_NAME).read_bytes(), "test")
+    files = tuple(dataclasses.replace(f, size=len(blob), chunks=chunk_checksums(blob))
+                  if f.path == METADATA_NAME else f for f in manifest.files)
+    (d / MANIFEST_NAME).write_bytes(dataclasses.replace(manifest, files=files).to_bytes())
 
 
 # Each damage: (what it does to a copy of the snapshot directory, the error it must cause).
@@ -277,7 +294,11 @@ DAMAGES: dict[str, tuple[Callable[[Path], None], str]] = {
     ),
     "forged-metadata": (
         _forge_metadata,
-        rf"step {STEP}: file \.metadata \(rank 0\): refused: .*posix\.system",
+        rf"step {STEP}: file \.metadata \(rank 0\): not a snapshot index",
+    ),
+    "forged-index": (
+        _forge_index,
+        rf"step {STEP}: file \.metadata \(rank 0\): a chunk of .* lies past the end of its file",
     ),
     "forged-byte-item": (
         _forge_byte_item,
