@@ -5,6 +5,12 @@ metadata, deadline, a task to drain the request iterator, on both agents), and a
 every step sends a few files a step. Sends to one peer go one after another: a file's pieces,
 then its acknowledgement, which the peer sends once the copy verified and is kept.
 
+A new stream's first file waits for the peer to take the call (its initial metadata, sent as
+soon as it has checked the call's credentials and its stream count): a peer that refuses the
+call ends it at once, and a file written into a call already ended fails as "Internal error
+from Core", losing the peer's reason (UNAUTHENTICATED: a wrong peer secret). Waiting costs one
+round trip per stream, not per file.
+
 A stream that fails in any way (the peer went away, a deadline, an out-of-order answer) is
 dropped, and the next send opens a new one; so is a stream that has ended, and one opened with
 a peer key that has changed since (a new job submission).
@@ -41,6 +47,7 @@ class _Stream:
     call: Any  # grpc.aio.StreamStreamCall
     metadata: Metadata
     lock: asyncio.Lock
+    taken: bool = False  # the peer sent its initial metadata: it took the call
 
 
 class ReplicationStreams:
@@ -73,6 +80,12 @@ class ReplicationStreams:
         async with stream.lock:
             try:
                 async with asyncio.timeout(10 + header.size / 50e6):
+                    if not stream.taken:
+                        await stream.call.initial_metadata()
+                        if stream.call.done():
+                            await stream.call.read()  # raises the peer's status
+                            raise StreamOutOfStep(f"{address} ended the stream at once")
+                        stream.taken = True
                     await self._write(stream.call, header, pieces)
                     ack = await stream.call.read()
             except BaseException:

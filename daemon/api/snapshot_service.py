@@ -55,6 +55,9 @@ class SnapshotPeerService(pb_grpc.SnapshotPeerServicer):
                                 "open to this agent already")
         self._streams[host] = self._streams.get(host, 0) + 1
         try:
+            # The call is taken: the sender waits for this before its first file
+            # (daemon/api/replication_streams.py).
+            await context.send_initial_metadata(())
             async for ack in self._replicate(host, request_iterator, context):
                 yield ack
         finally:

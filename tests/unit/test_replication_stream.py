@@ -162,13 +162,16 @@ def test_a_stream_cut_inside_a_file_keeps_nothing_of_it(root):
     asyncio.run(main())
 
 
-def test_a_wrong_peer_secret_is_refused_and_nothing_is_kept(root):
+@pytest.mark.parametrize("size", [100, 64 * PIECE_BYTES])
+def test_a_wrong_peer_secret_is_refused_and_nothing_is_kept(root, size):
+    # 64 pieces: were the sender still writing when the peer ends the call, its write would fail
+    # as "Internal error from Core"; the sender reports the peer's reason.
     async def main() -> None:
         async with linked(root, "wrong") as (peer, sender, address):
-            data = payload(100, 1)
+            data = payload(size, 1)
             with pytest.raises(grpc.aio.AioRpcError) as failed:
                 await sender.streams.send(address, shard(1, 0, data), pieces(data))
-            assert failed.value.code() == grpc.StatusCode.UNAUTHENTICATED
+            assert failed.value.code() == grpc.StatusCode.UNAUTHENTICATED, failed.value
             assert peer.keeper.held() == ()
             sender.secret = SECRET  # a changed secret opens a new stream
             await sender.streams.send(address, shard(1, 0, data), pieces(data))
