@@ -47,6 +47,7 @@ from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, Tenso
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner
 from torch.distributed.checkpoint.planner_helpers import _create_chunk_list
 from torch.distributed.checkpoint.storage import StorageReader
+from torch.distributed.tensor import DTensor
 from torch.futures import Future
 
 from checkpoint.safe_unpickle import SafeLoadPlanner, UnsafePickle, load_value
@@ -223,6 +224,8 @@ class SnapshotReader(StorageReader):
             md = metadata.state_dict_metadata.get(fqn)
             if not isinstance(md, TensorStorageMetadata) or not isinstance(obj, torch.Tensor):
                 continue  # DCP's planner says what is wrong with it
+            if isinstance(obj, DTensor) and obj.device_mesh.get_coordinate() is None:
+                continue  # not on this rank's mesh: DCP's planner reads nothing of it
             picked = self.index.narrow(fqn, _create_chunk_list(obj))
             md.chunks = [chunk for chunk, _, _ in picked]
             self.storage_data.update((index, item) for _, index, item in picked)
