@@ -74,6 +74,7 @@ class AgentLink:
         # When the reply to the step report in flight is due (time.monotonic()); None: none is
         # in flight. The deadline runs from the report's sending, as a call's would.
         self._reply_due: float | None = None
+        self._restore_call: grpc.Future | None = None  # the restore report, until answered
         self.use(fault or FaultConfig())  # before the first plan the job's are unknown
 
     def use(self, fault: FaultConfig) -> None:
@@ -82,6 +83,7 @@ class AgentLink:
         self.timeout_s = rpc_timeout(fault)
 
     def close(self) -> None:
+        self._restore_sent()
         self._steps.close()
         self.channel.close()
 
@@ -89,6 +91,7 @@ class AgentLink:
         """`settle`: first wait for the step report in flight (not from the heartbeat's thread:
         only the loop's thread sends step reports and settles them)."""
         if settle:
+            self._restore_sent()
             self.settle()
         try:
             return getattr(self.stub, name)(request, timeout=timeout or self.timeout_s)
@@ -176,6 +179,7 @@ class AgentLink:
             report.snapshot_blocking_seconds = blocked.memory
         if blocked is not None and blocked.durable is not None:
             report.checkpoint_blocking_seconds = blocked.durable
+        self._restore_sent()  # the agent hears of the restore before the first step
         self.settle()  # one report in flight at most
         sent = time.monotonic()
         try:
@@ -264,18 +268,28 @@ class AgentLink:
         return [b"".join(p) for p in pieces]
 
     def report_restore(self, gp: pb.GenerationPlan, r: Restored) -> None:
-        """Best effort: what this rank restored (rank 0's report becomes an event)."""
-        with contextlib.suppress(AgentUnreachable):
-            self._call(
-                "ReportRestore",
-                pb.RestoreReport(
-                    generation=gp.generation,
-                    global_rank=gp.global_rank,
-                    local_rank=self.local_rank,
-                    source=r.source,
-                    step=r.step,
-                    skipped=r.skipped[:2000],
-                    seconds=r.seconds,
-                    snapshot_bytes=r.snapshot_bytes,
-                ),
-            )
+        """Best effort: what this rank restored (rank 0's report becomes an event). Sent
+        without waiting: the first step starts at once, and the reply is awaited before this
+        rank's next call or step report, so the agent still hears of the restore first."""
+        self._restore_sent()  # one in flight at most
+        self.settle()
+        self._restore_call = self.stub.ReportRestore.future(
+            pb.RestoreReport(
+                generation=gp.generation,
+                global_rank=gp.global_rank,
+                local_rank=self.local_rank,
+                source=r.source,
+                step=r.step,
+                skipped=r.skipped[:2000],
+                seconds=r.seconds,
+                snapshot_bytes=r.snapshot_bytes,
+            ),
+            timeout=self.timeout_s,
+        )
+
+    def _restore_sent(self) -> None:
+        """Wait for the restore report in flight, if any (its failure is not this rank's)."""
+        call, self._restore_call = self._restore_call, None
+        if call is not None:
+            with contextlib.suppress(grpc.RpcError):
+                call.result()

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from checkpoint.durable import CheckpointManager
@@ -131,13 +132,15 @@ class GenerationDriver:
         snapshot_root: Path | None = None,
         node: str = "",
         inject: NonFiniteInjection | None = None,
+        model: nn.Module | None = None,
     ) -> None:
         self.job, self.layout, self.last_step, self.generation = job, layout, last_step, generation
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         self.node = node or os.uname().nodename  # named in a fragmented-checkpoint failure
         # The weights are drawn only if the restore comes to a tier that needs them (the
         # pretrained weights, or random ones): a snapshot or checkpoint loads every parameter.
-        self.trainer = Trainer(job, layout, mesh, device, inject=inject, initial_weights=False)
+        self.trainer = Trainer(job, layout, mesh, device, inject=inject, initial_weights=False,
+                               model=model)  # `model`: built ahead (trainer.model_ahead)
         self.memory = MemoryMeter(self.trainer.model, self.trainer.optimizer, device)
         root = checkpoint_root(job)
         self.ckpt = (

@@ -22,6 +22,7 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 
 from checkpoint.snapshot_store import SnapshotStore
+from models.model_config import ModelConfig
 from proto.ultrascale.v1 import agent_pb2 as pb
 from trainer.agent_link import AgentLink, AgentUnreachable
 from trainer.agreement import decide
@@ -29,6 +30,7 @@ from trainer.driver import GenerationDriver
 from trainer.failure_kind import classify_failure
 from trainer.heartbeat import Heartbeat
 from trainer.loop import StepResult
+from trainer.model_ahead import ModelAhead
 from trainer.teardown import Teardown, sever_connections
 from trainer.telemetry import expert_telemetry
 from trainer.worker_log import log
@@ -48,21 +50,25 @@ class Generation:
     """This rank's part in one generation. Holds no reference to the world once `run` returns."""
 
     def __init__(self, link: AgentLink, beat: Heartbeat, gp: pb.GenerationPlan, env: WorkerEnv,
-                 teardown: Teardown) -> None:
+                 teardown: Teardown, ahead: ModelAhead | None = None) -> None:
         self.link, self.beat, self.gp, self.env = link, beat, gp, env
         self.faults = env.faults
         self.teardown = teardown
+        self.ahead = ahead
         self.step = 0  # steps completed, for a failure report
+        self.model_cfg: ModelConfig | None = None  # the plan's, once decoded
 
     def run(self) -> Outcome:
         gp = self.gp
         spec = GenerationSpec.of(gp, self.env)
+        self.model_cfg = spec.plan.job.model
         plan, layout, node, snapshot_root = spec.plan, spec.plan.layout, self.env.node, \
             self.env.snapshot_root
         self.link.use(plan.job.fault)
         self.beat.update(gp.generation, "join", 0)
         world = build_world(spec, self.link.snapshot_fetch,
-                            lambda phase: self.beat.update(gp.generation, phase, 0), log)
+                            lambda phase: self.beat.update(gp.generation, phase, 0), log,
+                            self.ahead)
         driver = world.driver
         restored = driver.restore_planned(plan.restore, world.fetch)
         self.step = driver.step
@@ -159,9 +165,11 @@ class Generation:
 
 
 def run_one(link: AgentLink, beat: Heartbeat, gp: pb.GenerationPlan, env: WorkerEnv,
-            teardown: Teardown) -> Outcome:
-    """Run this rank's part in generation `gp`; a failure is reported to the agent first."""
-    generation = Generation(link, beat, gp, env, teardown)
+            teardown: Teardown, ahead: ModelAhead | None = None) -> Outcome:
+    """Run this rank's part in generation `gp`; a failure is reported to the agent first.
+    Unless the job is done, `ahead` then builds the model the next generation will likely
+    take (the same job's), while the agent plans it."""
+    generation = Generation(link, beat, gp, env, teardown, ahead)
     try:
         outcome = generation.run()
     # DCP's CheckpointException derives from BaseException, not Exception.
@@ -186,5 +194,10 @@ def run_one(link: AgentLink, beat: Heartbeat, gp: pb.GenerationPlan, env: Worker
     teardown.leave()  # what a next generation needs; freeing the old world can wait
     if outcome.kind == "done":
         teardown.release()  # the job is over: no next generation to wait for
+    elif ahead is not None and generation.model_cfg is not None:
+        try:
+            ahead.build(generation.model_cfg)
+        except Exception as exc:  # noqa: BLE001 - the next generation builds its own then
+            log(f"could not build the model ahead: {type(exc).__name__}: {exc}"[:500])
     beat.update(0, "idle", 0)
     return outcome

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
@@ -154,6 +155,7 @@ class Trainer:
         stream: SampleStream | None = None,
         inject: NonFiniteInjection | None = None,
         initial_weights: bool = True,
+        model: nn.Module | None = None,
     ) -> None:
         self.cfg, self.layout, self.mesh, self.device = cfg, layout, mesh, device
         self.rank = dist.get_rank() if mesh is not None else 0
@@ -168,7 +170,8 @@ class Trainer:
         if cfg.parallel.reproducible:
             enable_deterministic_kernels(device, one_thread=cfg.model.family == "moe")
         self.spec = get_spec(cfg.model.family)
-        self.model = self.spec.build(cfg.model)
+        # `model`: this config's module, built ahead on the meta device (trainer.model_ahead).
+        self.model = model if model is not None else self.spec.build(cfg.model)
         # With pp > 1, self.model is this rank's union of stages and parts are the stages.
         self.recompute = RecomputeMeter()
         parts = (

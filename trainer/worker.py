@@ -45,6 +45,7 @@ from parallel.job import FaultConfig
 from trainer.agent_link import AgentLink, AgentUnreachable
 from trainer.generation import run_one
 from trainer.heartbeat import Heartbeat
+from trainer.model_ahead import ModelAhead
 from trainer.standby import await_role, is_standby
 from trainer.teardown import Teardown, freeze_import_heap
 from trainer.thread_names import name_thread
@@ -70,6 +71,7 @@ def main() -> int:
     torch.set_num_threads(int(os.environ.get("ULTRA_WORKER_THREADS", "1")))
     freeze_import_heap()
     teardown = Teardown()
+    ahead = ModelAhead()  # the next generation's model, built while the agent plans it
     teardown.refresh()  # now, not between a failure and the next join
     if is_standby(os.environ):
         name_process("ultra-standby")
@@ -107,7 +109,7 @@ def main() -> int:
         if gp.global_rank < 0:
             teardown.release()  # no part in this generation: no first step to wait for
             continue
-        outcome = run_one(link, beat, gp, env, teardown)
+        outcome = run_one(link, beat, gp, env, teardown, ahead)
         fault = link.fault
         log(f"generation {gp.generation} {outcome.kind} at step {outcome.step}")
 

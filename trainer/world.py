@@ -26,6 +26,7 @@ from parallel.planner import Plan
 from proto.ultrascale.v1 import agent_pb2 as pb
 from trainer.driver import GenerationDriver, checkpoint_root, output_dir, select_device
 from trainer.fault_injection import FaultInjection, NonFiniteInjection
+from trainer.model_ahead import ModelAhead
 from trainer.shared_storage import check_shared
 
 
@@ -104,10 +105,11 @@ def join_world(spec: GenerationSpec, backend: str) -> None:
 
 
 def build_world(spec: GenerationSpec, remote_fetch: Callable[[int], Fetch],
-                phase: Callable[[str], None], log: Callable[[str], None]) -> World:
+                phase: Callable[[str], None], log: Callable[[str], None],
+                ahead: ModelAhead | None = None) -> World:
     """Join, build the mesh and the driver; `phase(name)` is told when the join is done and
     the restore begins (the heartbeat's phases); `remote_fetch(step)` fetches a snapshot
-    through the agent."""
+    through the agent; `ahead` may hold the job's module, built while the plan was made."""
     job, layout, env = spec.plan.job, spec.plan.layout, spec.env
     device, backend, device_type = select_device(env.local_rank)
     began = time.perf_counter()
@@ -123,7 +125,7 @@ def build_world(spec: GenerationSpec, remote_fetch: Callable[[int], Fetch],
         job, layout, mesh, device, timeout=spec.timeout, last_step=job.train.steps,
         generation=spec.gp.generation, step_log=output_dir(job) or Path("."), log=log,
         snapshot_root=env.snapshot_root, node=env.node,
-        inject=env.nonfinite)
+        inject=env.nonfinite, model=ahead.take(job.model) if ahead is not None else None)
     step = spec.plan.restore.step
     fetch = local_first_fetch(env.snapshot_root, step, remote_fetch(step)) \
         if env.snapshot_root else None

@@ -11,16 +11,20 @@ import stat
 import threading
 import time
 from collections.abc import Iterator
+from concurrent import futures
 from pathlib import Path
 
+import grpc
 import pytest
 
 from daemon.node.step_socket import serve_step_socket
 from parallel.job import FaultConfig
 from proto.step_frames import HEADER, MAX_FRAME_BYTES, FrameError, frame, payload_length
 from proto.ultrascale.v1 import agent_pb2 as pb
+from proto.ultrascale.v1 import agent_pb2_grpc as pb_grpc
 from trainer.agent_link import AgentLink, AgentUnreachable
 from trainer.loop import StepResult
+from trainer.restore_order import Restored
 from trainer.step_socket import StepSocket
 
 pytestmark = pytest.mark.unit
@@ -178,3 +182,38 @@ def test_the_reply_deadline_runs_from_the_reports_sending(tmp_path: Path) -> Non
     assert time.monotonic() - began < 0.3
     link.close()
     listener.close()
+
+
+class SlowRestoreAgent(pb_grpc.WorkerControlServicer):
+    """WorkerControl with only ReportRestore, answered `delay` seconds after it arrives; each
+    answer notes how many step reports the step socket's agent had by then."""
+
+    def __init__(self, delay: float, steps: Agent) -> None:
+        self.delay, self.steps = delay, steps
+        self.answered: list[tuple[int, int]] = []  # (generation, step reports by then)
+
+    def ReportRestore(self, request: pb.RestoreReport, context: object) -> pb.RestoreReply:
+        time.sleep(self.delay)
+        self.answered.append((request.generation, len(self.steps.reports)))
+        return pb.RestoreReply()
+
+
+def test_the_restore_report_does_not_hold_the_first_step_but_reaches_the_agent_before_its_report(
+        agent: Agent, tmp_path: Path) -> None:
+    servicer = SlowRestoreAgent(0.5, agent)
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+    pb_grpc.add_WorkerControlServicer_to_server(servicer, server)
+    socket_path = tmp_path / "agent.sock"
+    server.add_insecure_port(f"unix:{socket_path}")
+    server.start()
+    link = AgentLink(str(socket_path), 0, FaultConfig(), step_socket=str(agent.path))
+    gp = pb.GenerationPlan(generation=4, global_rank=0, world_size=1)
+    began = time.monotonic()
+    link.report_restore(gp, Restored("snapshot", 5, name="snapshot@5"))
+    assert time.monotonic() - began < 0.25  # the first step starts now, not after the reply
+    link.report_step(gp, _result(6), dp=1)  # waits for the restore's reply first
+    assert link.settle().checkpoint_seq == 6
+    assert servicer.answered == [(4, 0)]  # answered before any step report arrived
+    assert [r.step for r in agent.reports] == [6]
+    link.close()
+    server.stop(None)
