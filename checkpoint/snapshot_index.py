@@ -168,13 +168,13 @@ class SnapshotIndex:
             used += count * width
             entry = TensorEntry(entry.fqn, entry.dtype, entry.requires_grad, entry.size,
                                 rows.reshape(count, width))
-            _check_rows(entry, len(files), where)
             if entry.fqn in tensors:
                 raise SnapshotInvalid(f"{where}: tensor {entry.fqn} is listed twice")
             tensors[entry.fqn] = entry
         if used != len(body):
             raise SnapshotInvalid(f"{where}: {len(body) - used} int64s after the last tensor's "
                                   "rows")
+        _check_rows(list(tensors.values()), len(files), where)
         byte_items: dict[str, SnapshotItem] = {}
         for raw in _list(header, "bytes", where):
             if not (isinstance(raw, list) and len(raw) == _BYTES_FIELDS
@@ -194,9 +194,14 @@ class SnapshotIndex:
                 raise SnapshotInvalid(f"{where}: it names file {name}, which is not in the "
                                       "manifest")
         ends = np.array([sizes[name] for name in self.files], dtype=_ROW)
-        for t in self.tensors.values():
+        tensors = list(self.tensors.values())
+        if tensors:
+            owner = np.repeat(np.arange(len(tensors)), [len(t.rows) for t in tensors])
+            placed = np.concatenate([t.rows[:, -3:] for t in tensors])  # file, offset, length
             # offset > end - length: offset + length could overflow, length (< 2**62) not.
-            if len(t.rows) and bool(np.any(t.rows[:, -2] > ends[t.rows[:, -3]] - t.rows[:, -1])):
+            past = placed[:, 1] > ends[placed[:, 0]] - placed[:, 2]
+            if past.any():
+                t = tensors[int(owner[np.argmax(past)])]
                 raise SnapshotInvalid(f"{where}: a chunk of {t.fqn} lies past the end of its "
                                       "file")
         for fqn, item in self.byte_items.items():
@@ -274,21 +279,40 @@ def _tensor(raw: Any, where: str) -> TensorEntry:
     return TensorEntry(raw[0], raw[1], raw[2], tuple(raw[3]), np.empty((raw[4], 0), dtype=_ROW))
 
 
-def _check_rows(t: TensorEntry, files: int, where: str) -> None:
-    """Each chunk lies inside its tensor and its bytes are its elements'."""
-    if not len(t.rows):
+def _check_rows(tensors: list[TensorEntry], files: int, where: str) -> None:
+    """Each chunk lies inside its tensor and its bytes are its elements'. All tensors of a
+    rank (number of dims) are checked at once: per tensor, the numpy calls cost more than the
+    checks. The error names the first tensor, in the header's order, with a bad chunk."""
+    bad: dict[int, str] = {}  # position in `tensors` -> what is wrong with it
+    by_ndim: dict[int, list[int]] = {}
+    for i, t in enumerate(tensors):
+        if len(t.rows):
+            by_ndim.setdefault(t.ndim, []).append(i)
+    for d, members in by_ndim.items():
+        group = [tensors[i] for i in members]
+        owner = np.repeat(np.arange(len(group)), [len(t.rows) for t in group])
+        rows = np.concatenate([t.rows for t in group])
+        offsets, sizes = rows[:, :d], rows[:, d:2 * d]
+        size = np.array([t.size for t in group], dtype=_ROW).reshape(len(group), d)[owner]
+        # A row with an offset or size above the tensor's is refused whatever its sum says:
+        # in the others both are < 2**62, and their sum cannot overflow.
+        outside = (rows < 0).any(axis=1) | (offsets > size).any(axis=1) | \
+            (sizes > size).any(axis=1) | (offsets + sizes > size).any(axis=1)
+        file = rows[:, -3] >= files
+        itemsize = np.array([DTYPES[t.dtype].itemsize for t in group], dtype=_ROW)[owner]
+        with np.errstate(over="ignore"):  # only in rows already refused as outside
+            elements = np.prod(sizes, axis=1, dtype=_ROW)
+        length = rows[:, -1] != elements * itemsize
+        for flags, says in ((outside, "outside"), (file, "file"), (length, "length")):
+            for k in np.unique(owner[flags]).tolist():
+                bad.setdefault(members[k], says)
+    if not bad:
         return
-    d, rows = t.ndim, t.rows
-    offsets, sizes = rows[:, :d], rows[:, d:2 * d]
-    size = np.array(t.size, dtype=_ROW).reshape(d)
-    # Each offset and size at most the tensor's (< 2**62): their sums and products cannot
-    # overflow.
-    if bool(np.any(rows < 0)) or bool(np.any(offsets > size)) or bool(np.any(sizes > size)) \
-            or bool(np.any(offsets + sizes > size)):
+    first = min(bad)
+    t, says = tensors[first], bad[first]
+    if says == "outside":
         raise SnapshotInvalid(f"{where}: a chunk of {t.fqn} lies outside its size {t.size}")
-    if bool(np.any(rows[:, -3] >= files)):
+    if says == "file":
         raise SnapshotInvalid(f"{where}: a chunk of {t.fqn} names a file past its {files}")
-    elements = np.prod(sizes, axis=1, dtype=_ROW) if d else np.ones(len(rows), dtype=_ROW)
-    if bool(np.any(rows[:, -1] != elements * DTYPES[t.dtype].itemsize)):
-        raise SnapshotInvalid(f"{where}: a chunk of {t.fqn} has a length that is not its "
-                              f"elements' ({t.dtype})")
+    raise SnapshotInvalid(f"{where}: a chunk of {t.fqn} has a length that is not its "
+                          f"elements' ({t.dtype})")
