@@ -43,9 +43,18 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed._shard._utils import narrow_tensor_by_index
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, TensorStorageMetadata
-from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner
-from torch.distributed.checkpoint.planner_helpers import _create_chunk_list
+from torch.distributed.checkpoint.metadata import (
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    TensorStorageMetadata,
+)
+from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
+from torch.distributed.checkpoint.planner_helpers import (
+    _create_chunk_list,
+    _create_read_items,
+    create_read_items_for_chunk_list,
+)
 from torch.distributed.checkpoint.storage import StorageReader
 from torch.distributed.tensor import DTensor
 from torch.futures import Future
@@ -214,21 +223,26 @@ class SnapshotReader(StorageReader):
         self.index.check_files({f.path: f.size for f in self.manifest.files}, where)
         return self.index.skeleton()
 
-    def narrow(self, metadata: Metadata, state_dict: dict[str, Any]) -> None:
+    def narrow(self, metadata: Metadata, state_dict: dict[str, Any]
+               ) -> dict[str, list[ChunkStorageMetadata]]:
         """Give `metadata` (the skeleton `read_metadata` returned) the saved chunks that
         overlap what this rank loads of each tensor of `state_dict` (flattened), and this
-        reader their storage records: DCP's planner then looks at those alone."""
+        reader their storage records: DCP's planner then looks at those alone. Returns what
+        this rank holds of each of those tensors (its chunks), for the plan."""
+        local: dict[str, list[ChunkStorageMetadata]] = {}
         if self.index is None:
-            return
+            return local
         for fqn, obj in state_dict.items():
             md = metadata.state_dict_metadata.get(fqn)
             if not isinstance(md, TensorStorageMetadata) or not isinstance(obj, torch.Tensor):
-                continue  # DCP's planner says what is wrong with it
+                continue  # the plan says what is wrong with it
             if isinstance(obj, DTensor) and obj.device_mesh.get_coordinate() is None:
-                continue  # not on this rank's mesh: DCP's planner reads nothing of it
-            picked = self.index.narrow(fqn, _create_chunk_list(obj))
+                continue  # not on this rank's mesh: the plan reads nothing of it
+            local[fqn] = _create_chunk_list(obj)
+            picked = self.index.narrow(fqn, local[fqn])
             md.chunks = [chunk for chunk, _, _ in picked]
             self.storage_data.update((index, item) for _, index, item in picked)
+        return local
 
     def set_up_storage_reader(
         self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any
@@ -365,12 +379,36 @@ class SnapshotLoadPlanner(SafeLoadPlanner):
             return super().create_local_plan()
         if self.reader.failure is None:
             try:
-                self.reader.narrow(self.metadata, self.state_dict)
-                return super().create_local_plan()
+                assert self.metadata is not None
+                local = self.reader.narrow(self.metadata, self.state_dict)
+                return local_load_plan(self.state_dict, self.metadata, local)
             except (RuntimeError, KeyError, ValueError) as exc:
                 self.reader.failure = SnapshotInvalid(
                     f"snapshot step {self.reader.step} does not fit the state: {exc}"[:1000])
         return LoadPlan([])
+
+
+def local_load_plan(state_dict: dict[str, Any], metadata: Metadata,
+                    local: dict[str, list[ChunkStorageMetadata]]) -> LoadPlan:
+    """DCP's default local load plan (strict: every key of `state_dict` must be saved), with
+    each tensor's chunks on this rank as `narrow` computed them (DCP's planner would compute
+    them all again: a DTensor's are a sharding computation each). A snapshot is always in the
+    current key format, so the planner's fallback to the keys of torch 2.3 does not apply."""
+    requests: list[ReadItem] = []
+    for fqn, obj in state_dict.items():
+        md = metadata.state_dict_metadata.get(fqn)
+        if md is None:
+            raise RuntimeError(f"Missing key in checkpoint state_dict: {fqn}.")
+        if isinstance(md, TensorStorageMetadata) and getattr(obj, "size", None) is not None \
+                and md.size != obj.size():
+            raise ValueError(f"Size mismatch between saved {md.size} and current: "
+                             f"{obj.size()} for {fqn}")
+        chunks = local.get(fqn)
+        if chunks is not None:
+            requests += create_read_items_for_chunk_list(fqn, md, chunks)
+        elif not (isinstance(obj, DTensor) and obj.device_mesh.get_coordinate() is None):
+            requests += _create_read_items(fqn, md, obj)  # a byte item (or a mismatch)
+    return LoadPlan(requests)
 
 
 def _merge(ranges: Any) -> list[tuple[int, int]]:
