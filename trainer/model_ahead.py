@@ -26,8 +26,10 @@ class ModelAhead:
 
     def build(self, cfg: ModelConfig) -> None:
         self.cfg, self.model = None, None  # a build that fails leaves nothing to take
-        self.model = get_spec(cfg.family).build(cfg)
-        self.cfg = cfg
+        model = get_spec(cfg.family).build(cfg)
+        if any(t.device.type != "meta" for t in (*model.parameters(), *model.buffers())):
+            return  # a family that allocates as it builds: not while the old world is held
+        self.cfg, self.model = cfg, model
 
     def take(self, cfg: ModelConfig) -> nn.Module | None:
         """The module built ahead if it was built for `cfg` (else None); either way it is

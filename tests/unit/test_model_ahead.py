@@ -51,3 +51,17 @@ def test_a_trainer_given_the_module_built_ahead_trains_as_one_that_builds_its_ow
                                      own.model.named_parameters(), strict=True):
         assert name == other
         assert torch.equal(p, q), name
+
+
+def test_a_model_that_allocates_as_it_builds_is_not_kept(small_job, monkeypatch) -> None:
+    """Memory held across a generation's end would add to the old world's, still held."""
+    cfg = load(small_job()).model
+
+    class Allocates:
+        def build(self, cfg: object) -> torch.nn.Module:
+            return torch.nn.Linear(4, 4)  # on the CPU, not the meta device
+
+    monkeypatch.setattr("trainer.model_ahead.get_spec", lambda family: Allocates())
+    ahead = ModelAhead()
+    ahead.build(cfg)
+    assert ahead.model is None and ahead.take(cfg) is None
