@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import sys
+import traceback
 from datetime import timedelta
 
 import torch
@@ -14,6 +15,7 @@ from parallel.layout import resolve
 from parallel.mesh import build_mesh
 from trainer.driver import GenerationDriver, output_dir, select_device
 from trainer.fault_injection import NonFiniteInjection
+from trainer.teardown import leave_world
 
 
 def _log(msg: str) -> None:
@@ -40,34 +42,48 @@ def run(cfg: JobConfig, *, stop_at: int, resume: bool, printer) -> int:
     timeout = timedelta(seconds=process_group_timeout(cfg.fault))
     device, device_type = init_distributed(timeout)
     try:
-        rank = dist.get_rank()
-        layout = resolve(cfg, dist.get_world_size())
-        driver = GenerationDriver(
-            cfg,
-            layout,
-            build_mesh(layout, device_type, timeout),
-            device,
-            timeout=timeout,
-            last_step=stop_at,
-            step_log=output_dir(cfg),
-            inject=NonFiniteInjection.from_env(os.environ),
-        )
-        restored = driver.restore_start(resume)
-        if rank == 0 and restored.source == "checkpoint":
-            _log(f"resume: loaded {driver.ckpt.root / restored.name} (step {driver.step}, "
-                 f"consumed_samples {driver.consumed_samples}) on dp={layout.dp}")
-        elif rank == 0 and (resume or restored.source == "pretrained"):
-            _log(f"restored {restored.describe()}")
-        if rank == 0:
-            _log(f"layout: {layout.to_dict()}")
-        while driver.step < stop_at:
-            result = driver.train_step()
-            driver.commit(result)
-            if rank == 0:
-                printer.step(result, layout.dp)
-            if driver.checkpoint_due(result.step):
-                driver.save()
-        driver.wait()
-        return 0
+        return _train(cfg, device, device_type, timeout, stop_at=stop_at, resume=resume,
+                      printer=printer)
+    except BaseException as exc:
+        # The traceback's frames hold the model and the mesh: drop their locals (it still
+        # names every line) so that the world can be freed below.
+        traceback.clear_frames(exc.__traceback__)
+        raise
     finally:
-        dist.destroy_process_group()
+        # Free the world now, while the interpreter is alive: its groups are pinned by the
+        # mesh and torch.distributed's caches, and left to interpreter shutdown a gloo group's
+        # threads can abort the process after a run that trained to the end.
+        leave_world()
+
+
+def _train(cfg: JobConfig, device: torch.device, device_type: str, timeout: timedelta, *,
+           stop_at: int, resume: bool, printer) -> int:
+    rank = dist.get_rank()
+    layout = resolve(cfg, dist.get_world_size())
+    driver = GenerationDriver(
+        cfg,
+        layout,
+        build_mesh(layout, device_type, timeout),
+        device,
+        timeout=timeout,
+        last_step=stop_at,
+        step_log=output_dir(cfg),
+        inject=NonFiniteInjection.from_env(os.environ),
+    )
+    restored = driver.restore_start(resume)
+    if rank == 0 and restored.source == "checkpoint":
+        _log(f"resume: loaded {driver.ckpt.root / restored.name} (step {driver.step}, "
+             f"consumed_samples {driver.consumed_samples}) on dp={layout.dp}")
+    elif rank == 0 and (resume or restored.source == "pretrained"):
+        _log(f"restored {restored.describe()}")
+    if rank == 0:
+        _log(f"layout: {layout.to_dict()}")
+    while driver.step < stop_at:
+        result = driver.train_step()
+        driver.commit(result)
+        if rank == 0:
+            printer.step(result, layout.dp)
+        if driver.checkpoint_due(result.step):
+            driver.save()
+    driver.wait()
+    return 0

@@ -278,3 +278,57 @@ def test_a_failed_rank_severs_its_connections_so_peers_blocked_on_it_fail_at_onc
     assert result["severed"] > 0
     assert result["peer_failed"], "rank 0 stayed blocked on rank 1 after rank 1 severed"
     assert (tmp_path / "out.rank0-failed").read_text(), "rank 0's collective returned"
+
+
+class _Quiet:
+    def step(self, result: object, dp: int) -> None:
+        pass
+
+
+def _torchrun_rank(rank: int, job: str, port: int, out: str) -> None:
+    """`python -m trainer` under torchrun, as far as `trainer.run.run`: its world must be freed
+    by the time it returns, while the interpreter is alive. Left to interpreter shutdown, a
+    gloo group's worker threads can abort the process (SIGABRT, "terminate called without an
+    active exception") after a run that trained to the end."""
+    import weakref
+
+    from trainer.run import run
+
+    os.environ.update(RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank),
+                      LOCAL_WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    cfg = load(job)
+    groups: list[weakref.ref] = []
+    init = dist.init_process_group
+
+    def watched(*args, **kwargs):  # every group of the run, weakly
+        init(*args, **kwargs)
+        groups.append(weakref.ref(dist.group.WORLD))
+
+    new_group = dist.new_group
+
+    def watched_group(*args, **kwargs):
+        group = new_group(*args, **kwargs)
+        if group is not None:
+            groups.append(weakref.ref(group))
+        return group
+
+    dist.init_process_group, dist.new_group = watched, watched_group
+    code = run(cfg, stop_at=2, resume=False, printer=_Quiet())
+    alive = sum(ref() is not None for ref in groups)
+    torch.save({"code": code, "groups": len(groups), "alive": alive,
+                "resources": _resources()}, f"{out}.{rank}")
+
+
+def test_the_torchrun_entry_frees_its_world_before_it_returns(token_file: Path, tmp_path: Path):
+    job = tmp_path / "job.toml"
+    job.write_text(small_job_text(token_file))
+    out = tmp_path / "out.pt"
+    mp.start_processes(_torchrun_rank, args=(str(job), free_port(), str(out)), nprocs=2,
+                       start_method=forkserver())
+    for rank in range(2):
+        result = torch.load(f"{out}.{rank}", weights_only=False)
+        assert result["code"] == 0
+        assert result["groups"] > 1  # the world and the mesh's groups were made ...
+        assert result["alive"] == 0, result  # ... and none outlives the run
+        assert result["resources"][2] == 0, result  # no socket of theirs either
