@@ -40,7 +40,9 @@ import torch
 import torch.distributed as dist
 
 
-def _clear_dtensor_caches() -> None:
+def clear_dtensor_caches() -> None:
+    """Drop DTensor's sharding-propagation and redistribute-planning caches (they pin meshes):
+    the next ops on any mesh propagate again, as in a new world."""
     clear_cpp = getattr(torch._C, "_clear_DTensor_sharding_propagator_cache", None)
     if clear_cpp is not None:
         clear_cpp()
@@ -158,7 +160,7 @@ class Teardown:
         for clear in self._clears:
             with contextlib.suppress(TypeError):  # a class's cache_clear method: not a cache
                 clear()
-        _clear_dtensor_caches()
+        clear_dtensor_caches()
         gc.collect()
 
     def release(self) -> None:
