@@ -35,7 +35,7 @@ from checkpoint.snapshot_reader import load_snapshot, local_fetch
 from checkpoint.snapshot_writer import save_snapshot
 from daemon.procutil import free_port
 from parallel.job import load
-from parallel.layout import Layout
+from parallel.layout import resolve
 from parallel.mesh import build_mesh
 from trainer.loop import Trainer
 from trainer.teardown import clear_dtensor_caches, leave_world
@@ -46,7 +46,7 @@ STEP = 5
 def measure(work: Path, runs: int) -> dict[str, list[float]]:
     """Seconds of each round's build and restore (the untimed rounds left out)."""
     job = load(write_job(work))
-    layout = Layout(dp=1, micro_batch=2, grad_accum=job.train.global_batch // 2)
+    layout = resolve(job, 1)  # as the torchrun entry resolves a world of one
     store = dist.TCPStore("127.0.0.1", free_port(), 1, is_master=True)
     dist.init_process_group("gloo", store=store, rank=0, world_size=1)
     try:
