@@ -73,13 +73,15 @@ def test_an_agent_refuses_a_snapshot_base_another_user_owns(tmp_path: Path, etcd
         shutil.rmtree(base, ignore_errors=True)
 
 
-def _snapshot_dir(proc: subprocess.Popen[bytes]) -> Path | None:
-    """The `--snapshot-dir` `ultrad local` gave its agent, once the agent is up."""
+def _snapshot_dir(proc: subprocess.Popen[bytes], shm: Path | None) -> Path | None:
+    """The `--snapshot-dir` `ultrad local` gave its agent, once the agent is up, as this process
+    sees it (under `shm` where /dev/shm was `shm` for the agent)."""
     for pid in descendants(proc.pid):
         with contextlib.suppress(OSError):
             args = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
             if b"daemon.cli.ultrad" in args and b"--snapshot-dir" in args:
-                return Path(os.fsdecode(args[args.index(b"--snapshot-dir") + 1]))
+                path = Path(os.fsdecode(args[args.index(b"--snapshot-dir") + 1]))
+                return path if shm is None else shm / path.relative_to("/dev/shm")
     return None
 
 
@@ -96,26 +98,46 @@ def made() -> Iterator[list[Path]]:
         shutil.rmtree(path, ignore_errors=True)
 
 
+@pytest.fixture
+def private_shm() -> Iterator[Path]:
+    """A directory that `ultrad_local(..., shm=)` mounts over /dev/shm for its processes: the
+    local clusters that other tests start at the same time (each start removes the snapshot
+    directories of killed ones) never see what is in it."""
+    if shutil.which("unshare") is None:
+        pytest.skip("unshare(1) is not installed")
+    probe = subprocess.run(["unshare", "--mount", "true"], capture_output=True, text=True)
+    if probe.returncode != 0:
+        pytest.skip(f"cannot create a mount namespace: {probe.stderr}")
+    parent = "/dev/shm" if os.path.isdir("/dev/shm") else None
+    path = Path(tempfile.mkdtemp(dir=parent, prefix="ultrascale-test-"))
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
 @contextlib.contextmanager
-def ultrad_local(tmp_path: Path, name: str, made: list[Path]
+def ultrad_local(tmp_path: Path, name: str, made: list[Path], shm: Path | None = None
                  ) -> Iterator[tuple[subprocess.Popen[bytes], Path]]:
     """`ultrad local examples/tiny.toml` on one node, long enough to outlive the test, and its
-    snapshot directory once its agent runs; whatever of it is left at the end is killed."""
+    snapshot directory once its agent runs; whatever of it is left at the end is killed. With
+    `shm`, it runs in a mount namespace of its own where /dev/shm is `shm`."""
     state = tmp_path / name
     state.mkdir()
+    private = [] if shm is None else [
+        "unshare", "--mount", "--propagation", "private", "sh", "-c",
+        f'mount --bind "{shm}" /dev/shm && exec "$0" "$@"']
     with (state / "local.log").open("wb") as out:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "daemon.cli.ultrad", "local", str(ROOT / "examples/tiny.toml"),
-             "--nodes", "1", "--devices-per-node", "1", "--ttl", "2", "--state-dir", str(state),
-             "--set", "train.steps=100000"],
+            [*private, sys.executable, "-m", "daemon.cli.ultrad", "local",
+             str(ROOT / "examples/tiny.toml"), "--nodes", "1", "--devices-per-node", "1",
+             "--ttl", "2", "--state-dir", str(state), "--set", "train.steps=100000"],
             stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=ROOT,
             start_new_session=True,
             env={**os.environ, "PYTHONPATH": str(ROOT), "XDG_CONFIG_HOME": str(tmp_path)})
     seen = Held()
     try:
-        wait_until(lambda: _snapshot_dir(proc) or proc.poll() is not None, 120,
+        wait_until(lambda: _snapshot_dir(proc, shm) or proc.poll() is not None, 120,
                    f"ultrad local's agent ({state})")
-        snapshots = _snapshot_dir(proc)
+        snapshots = _snapshot_dir(proc, shm)
         assert proc.poll() is None and snapshots, (state / "local.log").read_text()
         made.append(snapshots)
         seen.add(descendants(proc.pid))
@@ -143,15 +165,15 @@ def test_ultrad_local_stopped_by_a_signal_leaves_no_snapshot_and_no_process(tmp_
         assert code == 128 + sig
 
 
-def test_the_next_ultrad_local_removes_what_a_killed_one_left(tmp_path, made):
-    with ultrad_local(tmp_path, "killed", made) as (first, left):
+def test_the_next_ultrad_local_removes_what_a_killed_one_left(tmp_path, made, private_shm):
+    with ultrad_local(tmp_path, "killed", made, private_shm) as (first, left):
         family = Held(descendants(first.pid))
         first.kill()  # nothing runs on SIGKILL: its snapshot directory stays, for now
         first.wait()
         wait_until(lambda: not family.running(), 30, "its agent and etcd to die with it")
         family.close()
         assert left.is_dir()
-    with ultrad_local(tmp_path, "next", made) as (second, mine):
+    with ultrad_local(tmp_path, "next", made, private_shm) as (second, mine):
         assert not left.exists(), f"{left}, of a killed ultrad local, is still there"
         second.send_signal(signal.SIGTERM)
         assert second.wait(120) == 128 + signal.SIGTERM
