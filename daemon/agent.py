@@ -107,9 +107,10 @@ class Agent:
         await self.etcd.connect()
         spawn = self.tasks.spawn
         if cfg.workers:
-            # A leader hosts c10d stores: import torch.distributed now, not in the first
-            # generation change; control-plane-only agents import it when they first lead.
-            spawn(StoreHost.preload(), "preload-torch", long_lived=False)
+            # A leader hosts c10d stores: start their process (and its import of torch) now,
+            # not in the first generation change; control-plane-only agents start it when
+            # they first lead.
+            self.leader.store.preload()
         spawn(self.view.run(), "view")
         spawn(self.peer_keys.run(), "peer-key")
         spawn(self.membership.run(), "membership")

@@ -123,6 +123,7 @@ def test_stale_leader_writes_are_rejected(etcd) -> None:
 
     async def scenario() -> None:
         e = Etcd(etcd.endpoint, timeout=2)
+        hosts = [StoreHost("127.0.0.1"), StoreHost("127.0.0.1")]
         try:
             old, new = Election(e, keys, "old"), Election(e, keys, "new")
             # Long leases: this test expires the old one explicitly, by revoking it.
@@ -133,8 +134,7 @@ def test_stale_leader_writes_are_rejected(etcd) -> None:
             view = ClusterView(e, keys)
             task = asyncio.create_task(view.run())
             await asyncio.wait_for(view.synced.wait(), 5)
-            leader_old = Leader(e, keys, view, old, StoreHost("127.0.0.1"), TTL, 0.01,
-                                _never_probe)
+            leader_old = Leader(e, keys, view, old, hosts[0], TTL, 0.01, _never_probe)
             plan = plan_generation(job, [NodeInfo("old", 1)], 1, ("", 0))
             assert (await leader_old.write_generation(plan, "start")).generation == 1
             await e.revoke(lease_old)  # what etcd does when the lease expires
@@ -154,14 +154,15 @@ def test_stale_leader_writes_are_rejected(etcd) -> None:
             assert got is not None and json.loads(got.value)["generation"] == 1
             assert await e.get(keys.directive) is None
             # Two writers racing for the same number with a valid token: exactly one wins.
-            leader_new = Leader(e, keys, view, new, StoreHost("127.0.0.1"), TTL, 0.01,
-                                _never_probe)
+            leader_new = Leader(e, keys, view, new, hosts[1], TTL, 0.01, _never_probe)
             results = await asyncio.gather(leader_new.write_generation(plan, "a"),
                                            leader_new.write_generation(plan, "b"),
                                            return_exceptions=True)
             assert sum(isinstance(r, FencedConflict) for r in results) == 1, results
             task.cancel()
         finally:
+            for host in hosts:
+                host.close()
             await e.close()
 
     asyncio.run(scenario())
@@ -183,6 +184,7 @@ def _settle_scenario(etcd, namespace: str, body) -> None:
 
     async def scenario() -> None:
         e = Etcd(etcd.endpoint, timeout=2)
+        host = StoreHost("127.0.0.1")
         try:
             election = Election(e, keys, "a")
             lease = await e.grant(60)
@@ -195,7 +197,7 @@ def _settle_scenario(etcd, namespace: str, body) -> None:
             task = asyncio.create_task(view.run())
             await asyncio.wait_for(view.synced.wait(), 5)
             # A debounce no test waits out: returning at all means it was cut short.
-            leader = Leader(e, keys, view, election, StoreHost("127.0.0.1"), TTL, 300.0, probe)
+            leader = Leader(e, keys, view, election, host, TTL, 300.0, probe)
             plan = plan_generation(job, [NodeInfo(n, 1) for n in ("a", "b", "c")], 1, ("", 0))
             await leader.write_generation(plan, "start")
             await view.wait_for(lambda: view.plan is not None, 5)
@@ -207,6 +209,7 @@ def _settle_scenario(etcd, namespace: str, body) -> None:
             await body(leader, view, report)
             task.cancel()
         finally:
+            host.close()
             await e.close()
 
     asyncio.run(scenario())

@@ -77,11 +77,11 @@ def test_store_on_another_address_is_not_on_loopback() -> None:
     asyncio.run(go())
 
 
-def _listening_ports() -> set[int]:
-    """Ports with a socket of this process listening on IPv4 TCP. Only this process's: the
+def _listening_ports(pid: int) -> set[int]:
+    """Ports with a socket of process `pid` listening on IPv4 TCP. Only that process's: the
     tests run in parallel, and another's listeners come and go on this machine meanwhile."""
     mine = set()
-    for fd in Path("/proc/self/fd").iterdir():
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
         try:
             target = fd.readlink().name
         except OSError:
@@ -97,19 +97,25 @@ def test_a_spare_store_started_ahead_serves_the_next_generation_and_only_it() ->
     async def go() -> None:
         host = StoreHost("127.0.0.1")
         try:
-            before = _listening_ports()
             host.prepare()
-            spare = await asyncio.wait_for(asyncio.to_thread(
-                wait_until, lambda: _listening_ports() - before, 10, "the spare store"), 15)
+            pid = host.process_pid
+            assert pid is not None
+
+            def ports() -> set[int]:
+                return _listening_ports(pid)
+
+            spare = await asyncio.to_thread(wait_until, ports, 60, "the spare store")
             assert len(spare) == 1
             assert await host.open(1) == next(iter(spare))  # no new listener: the spare's
             second = await host.open(2)  # no spare left: a fresh store, on a fresh port
-            assert second not in spare | before
+            assert second not in spare
             host.prepare_later(0.05)
             third = await asyncio.to_thread(
-                wait_until, lambda: _listening_ports() - before - spare - {second}, 10,
-                "the spare started later")
+                wait_until, lambda: ports() - spare - {second}, 10, "the spare started later")
             assert await host.open(3) == next(iter(third))
+            # Only the last two generations' stores are kept: the first one's is closed.
+            await asyncio.to_thread(wait_until, lambda: ports() == third | {second}, 10,
+                                    "generation 1's store to close")
         finally:
             host.close()
 
