@@ -92,19 +92,19 @@ class StoreProcess:
             self._waiting[seq] = future
             try:
                 self._send({"seq": seq, "start": host})
-            except OSError as exc:
+            except (OSError, ValueError) as exc:  # ValueError: stdin closed by `stop`
                 del self._waiting[seq]
                 future.set_exception(StoreProcessError(f"the store process: {exc}"))
         return future
 
     def close_store(self, store: Store) -> None:
-        with self._write_lock, contextlib.suppress(OSError):
+        with self._write_lock, contextlib.suppress(OSError, ValueError):
             if self._ended is None:
                 self._send({"close": store.id})
 
     def stop(self) -> None:
         """End the process (and every store in it); waits for nothing."""
-        with contextlib.suppress(OSError):
+        with self._write_lock, contextlib.suppress(OSError):
             self._stdin.close()
         with contextlib.suppress(ProcessLookupError):
             self._proc.kill()
@@ -114,21 +114,11 @@ class StoreProcess:
         self._stdin.flush()
 
     def _read(self, replies: IO[str]) -> None:
-        with contextlib.suppress(OSError, ValueError):
-            for line in replies:
-                reply = json.loads(line)
-                with self._write_lock:
-                    future = self._waiting.pop(int(reply["seq"]), None)
-                if future is None:
-                    continue
-                store = None if "error" in reply else Store(int(reply["id"]), int(reply["port"]))
-                if not future.set_running_or_notify_cancel():
-                    if store is not None:
-                        self.close_store(store)  # nobody waits for it any more
-                elif store is None:
-                    future.set_exception(StoreProcessError(reply["error"]))
-                else:
-                    future.set_result(store)
+        try:
+            self._dispatch(replies)
+        except (OSError, ValueError, KeyError) as exc:
+            log.error("the store process's replies: %s; ending it", exc)
+            self._proc.kill()
         code = self._proc.wait()
         with self._write_lock:
             self._ended = StoreProcessError(f"the store process exited (code {code})")
@@ -136,6 +126,23 @@ class StoreProcess:
         for future in waiting.values():
             if future.set_running_or_notify_cancel():
                 future.set_exception(self._ended)
+
+    def _dispatch(self, replies: IO[str]) -> None:
+        """Hand each reply to its request's future, until the replies end."""
+        for line in replies:
+            reply = json.loads(line)
+            with self._write_lock:
+                future = self._waiting.pop(int(reply["seq"]), None)
+            if future is None:
+                continue
+            store = None if "error" in reply else Store(int(reply["id"]), int(reply["port"]))
+            if not future.set_running_or_notify_cancel():
+                if store is not None:
+                    self.close_store(store)  # nobody waits for it any more
+            elif store is None:
+                future.set_exception(StoreProcessError(reply["error"]))
+            else:
+                future.set_result(store)
 
 
 class StoreHost:

@@ -18,6 +18,7 @@ The process ends when stdin closes or its parent dies (it is started with `paren
 from __future__ import annotations
 
 import json
+import os
 import sys
 from typing import IO, Any
 
@@ -67,9 +68,13 @@ def serve(requests: IO[str], replies: IO[str]) -> None:
 
 def main() -> None:
     arm_parent_death()
+    # Replies get a descriptor of their own; whatever else writes to stdout (torch, a C
+    # library) goes to stderr, the agent's log, and can never be read as a reply.
+    replies = os.fdopen(os.dup(sys.stdout.fileno()), "w")
+    os.dup2(sys.stderr.fileno(), sys.stdout.fileno())
     import torch.distributed  # noqa: F401 - the slow part, before the first request
 
-    serve(sys.stdin, sys.stdout)
+    serve(sys.stdin, replies)
 
 
 if __name__ == "__main__":

@@ -108,3 +108,21 @@ def test_a_store_that_cannot_start_raises_naming_its_host() -> None:
             host.close()
 
     asyncio.run(go())
+
+
+def test_what_else_writes_to_the_store_processs_stdout_is_never_read_as_a_reply() -> None:
+    # The store process with a store start that prints first, as a chatty library would.
+    noisy = ("import daemon.control.store_process as m; start = m.start_store; "
+             "m.start_store = lambda host: (print('noise', flush=True), start(host))[1]; "
+             "m.main()")
+    proc = subprocess.Popen([sys.executable, "-c", noisy], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
+                            env={**os.environ, "PYTHONPATH": str(ROOT)})
+    try:
+        out, err = proc.communicate(json.dumps({"seq": 7, "start": "127.0.0.1"}) + "\n", 120)
+    finally:
+        proc.kill()
+        proc.wait()
+    reply = json.loads(out.splitlines()[0])
+    assert reply["seq"] == 7 and reply["port"] > 0, out
+    assert "noise" in err
