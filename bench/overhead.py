@@ -123,6 +123,11 @@ def _cmdline(pid: int) -> list[str]:
     return []
 
 
+def _is_store_process(pid: int) -> bool:
+    """An agent's store process (daemon/control/store_process.py): part of the control path."""
+    return "daemon.control.store_process" in _cmdline(pid)
+
+
 def _is_standby(pid: int) -> bool:
     with contextlib.suppress(OSError):
         return b"ULTRA_LOCAL_RANK=standby\0" in Path(f"/proc/{pid}/environ").read_bytes()
@@ -420,7 +425,8 @@ def run_ultrad(work: Path, job: Path, steps: int, nodes: int, snapshots: bool,
 
     cluster = LocalCluster(work / "state", nodes, 1, ttl=2, allowed_paths=(work, job.parent))
     output = work / "output"
-    pids: set[int] = set()
+    pids: set[int] = set()  # the workers (and standbys)
+    stores: set[int] = set()  # the agents' store processes: control, like the agents
     meter = CpuMeter(output / "steps.jsonl", work / "collectives", pin)
     blocking, snapshot_bytes = float("nan"), 0
     warm: tuple[float, float] | None = None  # memory_blocking once WARMUP steps are in
@@ -440,10 +446,11 @@ def run_ultrad(work: Path, job: Path, steps: int, nodes: int, snapshots: bool,
         def finished() -> bool:
             nonlocal warm
             for proc in cluster.agents.values():
-                pids.update(_descendants(proc.pid))
+                for pid in _descendants(proc.pid):
+                    (stores if _is_store_process(pid) else pids).add(pid)
             assert cluster.etcd is not None and cluster.etcd.proc is not None
             control = [p.pid for p in cluster.agents.values()] + [cluster.etcd.proc.pid]
-            meter.sample(control, pids)
+            meter.sample(control + sorted(stores), pids)
             if snapshots and warm is None and meter.workers[-1][1] > WARMUP:
                 warm = memory_blocking(metrics_url)
             return _call(cluster, token, "GetStatus", pb.GetStatusRequest()).finished

@@ -20,8 +20,8 @@ from daemon.cli.local import LocalCluster, _call
 from proto.ultrascale.v1 import agent_pb2 as pb
 from tests.conftest import small_job_text
 from tests.integration.conftest import ROOT, wait_for_members, wait_until
-from tests.integration.test_training_recovery import committed_steps, worker_pids
-from tests.processes import running
+from tests.integration.test_training_recovery import committed_steps
+from tests.processes import running, worker_pids
 
 pytestmark = pytest.mark.integration
 FAIL_AT, MAX_FAILURES = 5, 3
