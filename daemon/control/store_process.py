@@ -13,10 +13,12 @@ Requests come on stdin and replies go to stdout, one JSON object a line:
 - `{"close": i}`: stop store `i` (no reply).
 
 The process ends when stdin closes or its parent dies (it is started with `parent_death_env`).
+It names itself `ultra-store` (`ps -o comm`, `top`).
 """
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import sys
@@ -24,6 +26,8 @@ from typing import IO, Any
 
 from daemon.control.store_host import bound_listener
 from daemon.procutil import arm_parent_death
+
+_PR_SET_NAME = 15
 
 
 def start_store(host: str) -> Any:
@@ -68,6 +72,8 @@ def serve(requests: IO[str], replies: IO[str]) -> None:
 
 def main() -> None:
     arm_parent_death()
+    if sys.platform.startswith("linux"):  # what `ps -o comm` and top show (PR_SET_NAME)
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_NAME, b"ultra-store", 0, 0, 0)
     # Replies get a descriptor of their own; whatever else writes to stdout (torch, a C
     # library) goes to stderr, the agent's log, and can never be read as a reply.
     replies = os.fdopen(os.dup(sys.stdout.fileno()), "w")

@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 
@@ -59,6 +60,7 @@ def test_an_agent_hosts_stores_without_importing_torch_and_they_die_with_it() ->
         reply = json.loads(line)
         assert reply["torch"] == [], "the agent imported torch itself"
         assert children(agent.pid) == [reply["pid"]]
+        assert Path(f"/proc/{reply['pid']}/comm").read_text().strip() == "ultra-store"
         client = _client(reply["port"])
         client.set("reach", "yes")
         assert client.get("reach") == b"yes"
