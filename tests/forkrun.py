@@ -116,6 +116,31 @@ def _run_ranks(nproc: int, argv: list[str], stderrs: list[Path]) -> tuple[int, i
     return first_failure, first_failed
 
 
+def launch_captured(nproc: int, argv: list[str], env: dict[str, str], cwd: str, stdout: str,
+                    stderr: str) -> None:
+    """`launch` as the body of a process forked from the tests' forkserver (tests/launch.py),
+    which has imported all of this already: this process takes `env` and `cwd` as a fresh
+    `python -m tests.forkrun` would, writes its stdout and stderr (its ranks' too) to the two
+    files, and exits with the launch's code. Its own process group, so a timeout ends it all."""
+    os.setsid()
+    os.environ.clear()
+    os.environ.update(env)
+    os.chdir(cwd)
+    for fd, path in ((1, stdout), (2, stderr)):
+        opened = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        os.dup2(opened, fd)
+        os.close(opened)
+    code = 1
+    try:
+        code = launch(nproc, argv)
+    except BaseException:  # noqa: BLE001 - the exit code and stderr say it, as for a process
+        traceback.print_exc()
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+    os._exit(code)
+
+
 def main(argv: list[str]) -> int:
     if "-m" not in argv or argv[argv.index("-m") + 1:][:1] != ["trainer"]:
         raise SystemExit("usage: python -m tests.forkrun --nproc-per-node N -m trainer ARGS")

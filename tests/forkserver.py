@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import multiprocessing
 
-PRELOAD = ["torch", "torch.distributed", "trainer.run"]
+PRELOAD = ["torch", "torch.distributed", "trainer.run", "tests.forkrun"]
 
 
 def forkserver() -> str:
