@@ -42,8 +42,8 @@ def run_trainer(config: Path, nproc: int | None, *args: str, timeout: float = 30
                          ["-m", "torch.distributed.run", "--standalone",
                           f"--nproc-per-node={nproc}"])
         proc = subprocess.run([sys.executable, *launcher_args, "-m", "trainer", *trainer_args],
-                              cwd=REPO,
-                              env=worker_env(), capture_output=True, text=True, timeout=timeout)
+                              cwd=REPO, env=worker_env(), capture_output=True, text=True,
+                              timeout=timeout)
         returncode, stdout, stderr = proc.returncode, proc.stdout, proc.stderr
     steps = {}
     for line in stdout.splitlines():
