@@ -103,18 +103,13 @@ def collectives(out: Path) -> int:
                if not path.name.endswith(".standby.json"))
 
 
-def _counted(path: Path, tries: int = 100) -> int:
-    """One process's count. The counter rewrites its file at every call (truncate, then
-    write), so a read can land between the two and find it empty or cut short: read again
-    (counting that process as 0 made the per-step column jump, 0.52 or 3.91 for 3.00)."""
-    for _ in range(tries):
-        try:
-            return sum(json.loads(path.read_text()).values())
-        except ValueError:
-            time.sleep(0.0005)
-        except OSError:
-            return 0
-    raise RuntimeError(f"{path}: no complete count in {tries} reads")
+def _counted(path: Path) -> int:
+    """One process's count. The counter renames each new count over the last, so a read
+    finds a whole one."""
+    try:
+        return sum(json.loads(path.read_text()).values())
+    except FileNotFoundError:
+        return 0
 
 
 def _cmdline(pid: int) -> list[str]:

@@ -5,7 +5,9 @@ of site-packages (Python imports `sitecustomize` at start-up) and the process ru
 (`-m trainer...`): agents and launchers are left alone. Every call of a public collective of
 `torch.distributed` (as the trainer calls them: `dist.<name>(...)`) adds one to its name's
 count, and the counts are rewritten to `<dir>/<pid>.json` at once (a worker may leave with
-os._exit). A standby worker (ULTRA_LOCAL_RANK=standby) writes `<dir>/<pid>.standby.json`
+os._exit), through a temporary file renamed over it: a reader finds the previous count or the
+new one, never a file cut short (a process killed between a truncation and its write left one
+empty for good). A standby worker (ULTRA_LOCAL_RANK=standby) writes `<dir>/<pid>.standby.json`
 instead: its warm-up trains a step in a world of its own (trainer/warm_up.py), which is no
 training rank's step, so `bench.overhead` leaves those files out (the bench adopts no standby).
 Never imported by the product.
@@ -35,13 +37,15 @@ def _install(out: str) -> None:
     counts: dict[str, int] = {}
     role = ".standby" if os.environ.get("ULTRA_LOCAL_RANK") == "standby" else ""
     path = os.path.join(out, f"{os.getpid()}{role}.json")
+    scratch = f"{path}.tmp"  # not `*.json`: readers glob for those
 
     def counted(name: str, fn):
         @functools.wraps(fn)
         def call(*args, **kwargs):
             counts[name] = counts.get(name, 0) + 1
-            with open(path, "w") as f:
+            with open(scratch, "w") as f:
                 json.dump(counts, f)
+            os.replace(scratch, path)
             return fn(*args, **kwargs)
         return call
 
