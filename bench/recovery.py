@@ -30,6 +30,13 @@ Two more columns, ultrad arms only, say what no recovery here can go below:
   one step         the new world's first step alone (its `step_seconds`): a recovery ends with
                    one whole step of the new world.
   ÷ floor          kill → first step over (victim exit + one step), per run, then the median.
+And one that says whether the machine could have gone faster:
+  cores busy       the mean number of this machine's CPUs busy (user, system, interrupts) from
+                   the kill to the first step, from /proc/stat (bench/cpu_busy.py); each run's
+                   line adds the cores the hypervisor stole. Near the machine's CPU count, the
+                   recovery was CPU-bound: its wall time is the work of every process of the
+                   three nodes over the cores here, not what one node with cores of its own
+                   would take.
 
 ultrad arms: `ultrad` restores from the in-memory snapshots (every step, replicated to a buddy
 node; docs/snapshots.md), `ultrad-disk` turns them off (`checkpoint.snapshot_every=0`) and
@@ -77,6 +84,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from bench.cpu_busy import CpuBusy
+
 ROOT = Path(__file__).resolve().parent.parent
 GLOBAL_BATCH = 10
 STEPS = 400  # never reached: a run ends once the recovered world has trained a step
@@ -96,7 +105,7 @@ ARMS = {
 # the restarted 2-rank world hung here: gloo's connectFullMesh read a bogus peer address
 # ("[127.0.0.1]:1932$1") and rank 0 never came up; --torchrun-share-store brings it back.
 TORCHRUN_ENV: dict[str, str] = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
-METRICS = ("detect", "rdzv", "restore", "first_step", "rerun", "victim_exit", "step")
+METRICS = ("detect", "rdzv", "restore", "first_step", "rerun", "victim_exit", "step", "busy")
 # ultrad arms: (restore from in-memory snapshots, what is killed: a non-leader node, the
 # leader's node, or the worker alone of a non-leader node, its agent and standby worker alive)
 ULTRAD_ARMS = {"ultrad": (True, "node"), "ultrad-disk": (False, "node"),
@@ -114,6 +123,7 @@ class Result:
     rerun: float | None = None  # committed steps trained again (the step in flight is not one)
     victim_exit: float | None = None  # kill → the victim worker gone (its sockets closed)
     step: float | None = None  # the new world's first step alone (its step_seconds)
+    busy: float | None = None  # ultrad: the machine's mean busy cores, kill → first step
     extra: dict[str, Any] = field(default_factory=dict)
     error: str = ""
 
@@ -266,6 +276,7 @@ def run_ultrad(work: Path, job: Path, kill_step: int, run: int, arm: str = "ultr
     output = work / "output"
     steps_path = output / "steps.jsonl"
     workers: set[int] = set()
+    load = CpuBusy()
 
     def lines() -> list[dict[str, Any]]:
         if not steps_path.exists():
@@ -308,6 +319,7 @@ def run_ultrad(work: Path, job: Path, kill_step: int, run: int, arm: str = "ultr
         pid = _named(cluster.agents[victim].pid, "ultra-w0")
         if pid is None:
             raise RuntimeError(f"no worker process of {victim}")
+        load.start()
         if target == "worker":
             t_kill = time.time()
             os.kill(pid, signal.SIGKILL)
@@ -320,7 +332,12 @@ def run_ultrad(work: Path, job: Path, kill_step: int, run: int, arm: str = "ultr
             return next((x for x in lines() if x["generation"] > generation), None)
 
         first = _wait(recovered, 240, "the first step of the next generation")
+        load.stop()
         res.first_step = first["time"] - t_kill
+        busy = load.between(t_kill, first["time"])
+        if busy is not None:
+            res.busy = busy[0]
+            res.extra["stolen_cores"] = round(busy[1], 3)
         before = [x["step"] for x in lines() if x["generation"] <= generation]
         res.rerun = max(0, max(before, default=0) - (first["step"] - 1))
         res.restore = first["time"] - first["step_seconds"] - t_kill
@@ -368,6 +385,7 @@ def run_ultrad(work: Path, job: Path, kill_step: int, run: int, arm: str = "ultr
     except (TimeoutError, OSError, RuntimeError, grpc.RpcError) as exc:
         res.error = f"{type(exc).__name__}: {exc}"
     finally:
+        load.stop()
         for proc in cluster.agents.values():
             workers.update(_descendants(proc.pid))
         cluster.stop()
@@ -552,7 +570,8 @@ def _fmt(x: float | None) -> str:
 def table(results: list[Result], arms: list[str]) -> str:
     med: dict[str, dict[str, float | None]] = {}
     rows = [["arm", "runs ok", "detect s", "re-rdzv s", "restore s", "kill→first step s",
-             "steps re-run", "victim exit s", "one step s", "÷ floor", "first step / ultrad"]]
+             "steps re-run", "victim exit s", "one step s", "cores busy", "÷ floor",
+             "first step / ultrad"]]
     for arm in arms:
         ok = [r for r in results if r.arm == arm and not r.error]
         med[arm] = {}
@@ -604,7 +623,8 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--global-batch must be >= 1")
     job = write_job(root, args.global_batch)
     print(f"bench.recovery: work in {root}; {args.runs} run(s) of {', '.join(arms)}; "
-          f"kill -9 of one of 3 nodes at about step {args.kill_step}; ultrad lease TTL {TTL}s",
+          f"kill -9 of one of 3 nodes at about step {args.kill_step}; ultrad lease TTL {TTL}s; "
+          f"{os.cpu_count()} CPUs",
           file=sys.stderr, flush=True)
     results: list[Result] = []
     for run in range(args.runs):
@@ -621,7 +641,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  {arm} run {run}: detect {_fmt(res.detect)}  rdzv {_fmt(res.rdzv)}  "
                   f"restore {_fmt(res.restore)}  first step {_fmt(res.first_step)}  "
                   f"re-run {_fmt(res.rerun)}  victim exit {_fmt(res.victim_exit)}  "
-                  f"one step {_fmt(res.step)}  {json.dumps(res.extra)}  ({time.monotonic() - started:.0f}s)"
+                  f"one step {_fmt(res.step)}  cores busy {_fmt(res.busy)}  "
+                  f"{json.dumps(res.extra)}  ({time.monotonic() - started:.0f}s)"
                   + (f"  FAILED: {res.error}" if res.error else ""), file=sys.stderr, flush=True)
     print()
     print("seconds from the kill -9 (medians of successful runs)")
