@@ -3,6 +3,9 @@
     python -m bench.overhead [--runs 3] [--steps 100] [--nodes 3] [--global-batch 10]
                              [--arms bare,ultrad,ultrad+snap] [--pin [--pinned-steps 300]]
 
+Last, it prints what one more collective per step would cost as the world grows (a tiny gloo
+all-reduce at 2 to 32 ranks: `python -m bench.collective_scale`, which runs it alone).
+
 The job of `bench.recovery` (a 2-layer GQA Llama, global batch 10, no durable checkpoints) on
 `--nodes` CPU ranks, in three arms, interleaved run by run (each run in another order: the
 first run bare, ultrad, ultrad+snap; the next ultrad, ultrad+snap, bare; and so on).
@@ -77,6 +80,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from bench import collective_scale
 from bench.recovery import GLOBAL_BATCH, _descendants, _env, _wait, write_job
 from trainer.thread_names import SNAPSHOT_WRITER
 
@@ -606,6 +610,9 @@ def main(argv: list[str] | None = None) -> int:
         table(root, job, arms, args.runs, args.steps, args.nodes, args.global_batch, pin=False)
     finally:
         shutil.rmtree(root, ignore_errors=True)
+    # What the step would pay for an agreement of its own: bench/collective_scale.py.
+    print("\nwhat one more collective per step would cost as the world grows")
+    print(collective_scale.table(collective_scale.measure(), 200, 3))
     return 0
 
 
