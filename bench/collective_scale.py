@@ -35,6 +35,8 @@ from bench.ranks import timed_across_ranks
 
 WORLDS = (2, 4, 8, 16, 32)
 WARMUP = 20
+CALLS = 200  # timed all-reduces per run
+RUNS = 3
 TIMEOUT = timedelta(seconds=120)
 
 
@@ -95,7 +97,7 @@ class Row:
     per_call_s: float  # median over runs
 
 
-def measure(worlds: tuple[int, ...] = WORLDS, calls: int = 200, runs: int = 3) -> list[Row]:
+def measure(worlds: tuple[int, ...] = WORLDS, calls: int = CALLS, runs: int = RUNS) -> list[Row]:
     return [Row(w, statistics.median(seconds_per_call(w, calls, runs))) for w in worlds]
 
 
@@ -114,8 +116,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.collective_scale", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--worlds", default=",".join(map(str, WORLDS)))
-    p.add_argument("--calls", type=int, default=200)
-    p.add_argument("--runs", type=int, default=3)
+    p.add_argument("--calls", type=int, default=CALLS)
+    p.add_argument("--runs", type=int, default=RUNS)
     args = p.parse_args(argv)
     try:
         worlds = tuple(int(w) for w in args.worlds.split(","))

@@ -612,7 +612,8 @@ def main(argv: list[str] | None = None) -> int:
         shutil.rmtree(root, ignore_errors=True)
     # What the step would pay for an agreement of its own: bench/collective_scale.py.
     print("\nwhat one more collective per step would cost as the world grows")
-    print(collective_scale.table(collective_scale.measure(), 200, 3))
+    print(collective_scale.table(collective_scale.measure(), collective_scale.CALLS,
+                                 collective_scale.RUNS))
     return 0
 
 

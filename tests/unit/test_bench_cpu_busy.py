@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import time
-from pathlib import Path
 
 import pytest
 
@@ -40,7 +39,7 @@ def test_the_window_takes_the_samples_around_it() -> None:
     assert load.between(10.5, 12.0) is None  # none after it
 
 
-def test_sampling_this_machine_sees_a_busy_loop_keep_a_core(tmp_path: Path) -> None:
+def test_sampling_this_machine_sees_a_busy_loop_keep_a_core() -> None:
     load = CpuBusy(interval=0.01).start()
     t0 = time.time()
     while time.time() - t0 < 0.5:
