@@ -154,6 +154,7 @@ class Agent:
         self.tasks.closing()
         await self.node.stop(grace=self.config.ttl)
         if self.membership is not None:
+            await self.io.leaving()  # a peer's probe after the revoke must not find us alive
             await self.membership.leave()
         await self.tasks.close()
         await self.io.stop()

@@ -138,6 +138,14 @@ class AgentIO:
         """What the workers need besides ULTRA_AGENT_SOCKET (which their supervisor sets)."""
         return {"ULTRA_STEP_SOCKET": str(self.step_socket_path)}
 
+    async def leaving(self) -> None:
+        """From now on peers' probes (`probe`) find this agent gone: called just before it
+        revokes its lease. A probe that reached it after the revoke and before its servers
+        stopped answered "alive", and a leader takes a live member without a lease for one
+        re-attaching after an etcd outage, waiting two TTLs for it."""
+        if self._health is not None:
+            await self._health.set("", _NOT_SERVING)
+
     async def stop(self) -> None:
         for server in self._servers:
             await server.stop(grace=0.5)
@@ -186,7 +194,8 @@ class AgentIO:
         return int(reply.status)
 
     async def probe(self, address: str) -> bool:
-        """Is the agent at `address` alive? A short health check, for fast failure confirmation."""
+        """Is the agent at `address` alive and staying? A short health check, for fast failure
+        confirmation; an agent on its way out answers no (`leaving`)."""
         return await self._check(address, "") == _SERVING
 
     def _peer_metadata(self) -> tuple[tuple[str, str], ...]:

@@ -1,4 +1,4 @@
-"""An agent that fences itself reports it, so its generation is replaced at once.
+"""How the leader learns that a member is gone: fenced members report it, leaving ones say it.
 
 A starved agent (its keepalive acknowledgements late, its lease still alive in etcd) fences
 itself and re-joins; if that happens within the leader's debounce, its node key only blinks and
@@ -112,3 +112,34 @@ def test_a_leader_missing_its_own_node_key_keeps_yielding(etcd: EtcdServer,
     assert not thread.is_alive(), "the scenario never finished: an event loop stopped yielding"
     if outcome[0] is not None:
         raise outcome[0]
+
+
+def test_a_member_leaving_cleanly_answers_probes_as_gone(etcd: EtcdServer,
+                                                          tmp_path: Path) -> None:
+    """A member whose key vanished but which still answers probes is, to the leader,
+    re-attaching after an etcd outage: it gets two TTLs before its generation is replaced. A
+    member that stops revokes its lease and its servers stop a moment later; a probe that
+    reached it in between (a loaded machine stretches that moment) answered "alive", and the
+    survivor waited those two TTLs for a node that was gone. So an agent on its way out answers
+    its peers' probes NOT_SERVING before it revokes its lease: the leader's own probe, run
+    as the lease goes, must already say it is gone."""
+    async def scenario() -> None:
+        async with _two_agents_running_a_job(etcd, tmp_path, "leave") as agents:
+            name = agents[0].view.leader[0] if agents[0].view.leader else ""
+            leader = next(x for x in agents if x.node_id == name)
+            member = next(x for x in agents if x.node_id != name)
+            assert member.membership is not None
+            address = member.io.address
+            assert await leader.io.probe(address), "a running member answers its probe"
+            answers: list[bool] = []
+            revoke = member.membership.leave
+
+            async def leave() -> None:
+                answers.append(await leader.io.probe(address))  # what the leader would see
+                await revoke()
+
+            member.membership.leave = leave  # type: ignore[method-assign]
+            await member.stop()
+            assert answers == [False], "a leaving member answered its peer's probe as alive"
+
+    asyncio.run(scenario())
