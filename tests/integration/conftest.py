@@ -114,6 +114,10 @@ class Cluster:
     token_file: Path
     agents: dict[str, AgentProc] = field(default_factory=dict)
     job_ns: str = "test"
+    # One channel per agent address, reused by every call: tests poll agents every few tens
+    # of ms, and a new channel per call left hundreds of open connections behind a poll that
+    # loaded the very agents it timed.
+    channels: dict[str, grpc.Channel] = field(default_factory=dict)
 
     def start(self, node: str, devices: int = 1, *extra: str,
               env: dict[str, str] | None = None) -> AgentProc:
@@ -141,7 +145,15 @@ class Cluster:
         """A stub to `node` (default: any live agent) and the auth metadata."""
         alive = [a for a in self.agents.values() if a.proc.poll() is None]
         agent = self.agents[node] if node else alive[0]
-        channel = grpc.insecure_channel(agent.address)
+        channel = self.channels.get(agent.address)
+        if channel is None:
+            # An agent restarted on the same address is answered again within 0.1 s, not after
+            # gRPC's default reconnect backoff (1 s and growing).
+            channel = grpc.insecure_channel(agent.address, options=[
+                ("grpc.initial_reconnect_backoff_ms", 100),
+                ("grpc.min_reconnect_backoff_ms", 100),
+                ("grpc.max_reconnect_backoff_ms", 100)])
+            self.channels[agent.address] = channel
         return pb_grpc.AgentStub(channel), call_metadata(self.token_file.read_text().strip())
 
     def status(self, node: str | None = None) -> pb.Status:
@@ -169,6 +181,9 @@ class Cluster:
                 agent.proc.send_signal(signal.SIGTERM)
         for agent in self.agents.values():
             stop_or_show_stacks(agent.proc, timeout=5)
+        for channel in self.channels.values():
+            channel.close()
+        self.channels.clear()
 
     def ctl(self, *args: str, token_file: Path | None = None,
             node: str | None = None) -> subprocess.CompletedProcess[str]:

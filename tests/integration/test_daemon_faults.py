@@ -110,7 +110,11 @@ def test_leader_killed_another_leads_within_one_ttl(cluster: Cluster) -> None:
                      3 * TTL, "a new leader", interval=0.02)
     elapsed = time.monotonic() - t0
     assert new in others
-    assert elapsed <= TTL + 0.5, f"new leader after {elapsed:.2f}s (ttl {TTL}s)"
+    # With no worker in a collective the lease's end is the detection: up to one TTL after the
+    # last keepalive, plus etcd's expiry check (every 0.5 s), plus the election and this
+    # poll's view of it (0.5 s for a loaded machine; a bound of TTL + 0.5 left them none and
+    # once measured 2.72 s).
+    assert elapsed <= TTL + 1.0, f"new leader after {elapsed:.2f}s (ttl {TTL}s)"
     wait_until(lambda: cluster.status(others[1]).world_size == 2, 10, "world 2")
     assert cluster.status(others[1]).generation == old_generation + 1
     _assert_generations_unique(cluster)
