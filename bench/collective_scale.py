@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from bench.ranks import timed_across_ranks
+from bench.ranks import init_gloo_rank, timed_across_ranks
 
 WORLDS = (2, 4, 8, 16, 32)
 WARMUP = 20
@@ -41,9 +41,7 @@ TIMEOUT = timedelta(seconds=120)
 
 
 def _rank(rank: int, world: int, port: int, calls: int, runs: int, out: str) -> None:
-    torch.set_num_threads(1)
-    store = dist.TCPStore("127.0.0.1", port, world, is_master=rank == 0, timeout=TIMEOUT)
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=TIMEOUT)
+    init_gloo_rank(rank, world, port, TIMEOUT)
     flags = torch.zeros(3, dtype=torch.int64)
 
     def all_reduces(n: int) -> None:
