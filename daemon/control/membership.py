@@ -172,10 +172,16 @@ class Membership:
         return self.record
 
     async def leave(self) -> None:
-        """Revoke the lease: peers see this node go at once instead of after a TTL."""
+        """Revoke the lease: peers see this node go at once instead of after a TTL. A revoke
+        etcd does not answer in time is logged, not raised: the node leaves either way, and its
+        peers see it go when the lease expires (within one TTL)."""
         self._leaving = True
         if self.lease_id:
-            with contextlib.suppress(*ETCD_ERRORS):
+            try:
                 await asyncio.wait_for(self.etcd.revoke(self.lease_id), self.etcd.timeout)
+            except ETCD_ERRORS as exc:
+                log.warning("leaving without revoking lease %x (%s): peers see this node go "
+                            "when the lease expires, within %ds", self.lease_id,
+                            str(exc) or type(exc).__name__, self.ttl)
         self.lease_id = 0
         self.joined.clear()

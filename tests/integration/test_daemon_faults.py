@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import signal
 import time
 
@@ -13,6 +14,7 @@ from daemon.control.election import Election, FencedConflict, NotLeader
 from daemon.control.etcd_client import ETCD_ERRORS, Etcd
 from daemon.control.keys import Keys
 from daemon.control.leader import Leader
+from daemon.control.membership import Membership
 from daemon.control.records import ControlOp, ControlRequest, Directive, NodeRecord
 from daemon.control.store_host import StoreHost
 from daemon.control.view import ClusterView
@@ -317,6 +319,35 @@ def test_sigterm_leaves_at_once(cluster: Cluster) -> None:
     t0 = time.monotonic()
     wait_until(lambda: cluster.status("a").world_size == 1, 5, "world 1")
     assert time.monotonic() - t0 < TTL
+
+
+async def _no_fence(reason: str) -> None:
+    raise AssertionError(f"fenced: {reason}")
+
+
+def test_a_leave_etcd_does_not_answer_says_so_and_still_leaves(etcd, caplog) -> None:
+    """Leaving while etcd is down, the lease cannot be revoked: the agent says so (its peers
+    see it go only when the lease expires) and leaves all the same."""
+    keys = Keys("leave-down")
+
+    async def scenario() -> None:
+        e = Etcd(etcd.endpoint, timeout=1)
+        try:
+            member = Membership(e, keys, NodeRecord("a", "127.0.0.1:1", "", 1), TTL, _no_fence)
+            task = asyncio.create_task(member.run())
+            await asyncio.wait_for(member.joined.wait(), 5)
+            lease = member.lease_id
+            etcd.kill()
+            with caplog.at_level(logging.WARNING, logger="daemon.control.membership"):
+                await member.leave()
+            await asyncio.wait_for(task, 5)
+            assert member.lease_id == 0 and not member.joined.is_set()
+            assert f"leaving without revoking lease {lease:x}" in caplog.text
+            assert f"within {TTL}s" in caplog.text
+        finally:
+            await e.close()
+
+    asyncio.run(scenario())
 
 
 def test_view_follows_an_etcd_whose_revision_went_backwards(etcd) -> None:
