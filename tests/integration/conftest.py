@@ -148,10 +148,11 @@ class Cluster:
         channel = self.channels.get(agent.address)
         if channel is None:
             # An agent restarted on the same address is answered again within 0.1 s, not after
-            # gRPC's default reconnect backoff (1 s and growing).
+            # gRPC's default reconnect backoff (1 s and growing). Not `min_reconnect_backoff_ms`:
+            # gRPC takes it as the time a connection attempt may last (default 20 s), and at
+            # 100 ms a loaded agent's first answer came too late (test_cluster_channels.py).
             channel = grpc.insecure_channel(agent.address, options=[
                 ("grpc.initial_reconnect_backoff_ms", 100),
-                ("grpc.min_reconnect_backoff_ms", 100),
                 ("grpc.max_reconnect_backoff_ms", 100)])
             self.channels[agent.address] = channel
         return pb_grpc.AgentStub(channel), call_metadata(self.token_file.read_text().strip())
