@@ -27,6 +27,7 @@ from typing import Any
 import grpc
 import pytest
 
+from checkpoint.manifest import committed_steps, list_checkpoints
 from daemon.api.auth import call_metadata
 from daemon.cli.local import LocalCluster, _call
 from proto.ultrascale.v1 import agent_pb2 as pb
@@ -338,11 +339,9 @@ def test_checkpoint_requests_take_effect_at_an_agreed_step_none_skipped(elastic)
 
     def checkpoints(committed: bool) -> list[int]:
         """Steps with a checkpoint directory: every one (a save starts with its directory, on
-        the step it is taken at), or only those whose manifest is written (committed)."""
-        if not root.exists():
-            return []
-        return sorted(int(d.name.split("_")[-1]) for d in root.iterdir()
-                      if d.is_dir() and (not committed or (d / "manifest.json").exists()))
+        the step it is taken at), or only the committed ones (their manifest written)."""
+        return sorted(committed_steps(root) if committed
+                      else (step for step, _ in list_checkpoints(root)))
 
     answered: list[tuple[int, int]] = []  # (step when asked, step checkpointed)
     for _ in range(2):
